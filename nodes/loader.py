@@ -1,0 +1,86 @@
+"""WanVACEModelLoader: a diffusers-format WanVACE pipeline folder -> WANVACE_MODEL."""
+
+from __future__ import annotations
+
+import os
+
+import comfy.model_management
+import folder_paths
+from comfy_api.latest import io
+
+from ..wanvace_core import (
+    DTYPES,
+    WanVACEModelFolderError,
+    find_pipeline_folders,
+    inspect_pipeline_folder,
+    load_pipeline,
+)
+from .types import CATEGORY, WanVACEModelType
+
+MODEL_FOLDER = "diffusers"
+
+
+def _model_roots() -> list[str]:
+    if MODEL_FOLDER not in folder_paths.folder_names_and_paths:
+        folder_paths.add_model_folder_path(MODEL_FOLDER, os.path.join(folder_paths.models_dir, MODEL_FOLDER))
+    return folder_paths.get_folder_paths(MODEL_FOLDER)
+
+
+def resolve_model_folder(model_name: str) -> str:
+    for root in _model_roots():
+        candidate = os.path.join(root, model_name)
+        if os.path.isfile(os.path.join(candidate, "model_index.json")):
+            return candidate
+    roots = ", ".join(_model_roots())
+    raise WanVACEModelFolderError(
+        f"model_name={model_name!r} is not a pipeline folder under the diffusers model folders ({roots}); "
+        "put the WanVACE pipeline folder there and refresh."
+    )
+
+
+class WanVACEModelLoader(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="WanVACEModelLoader",
+            display_name="WanVACE Model Loader",
+            category=CATEGORY,
+            description=(
+                "Loads a diffusers-format WanVACE pipeline folder (Wan2.2-VACE-Fun-A14B with its high- and "
+                "low-noise experts, or a single-transformer Wan2.1-VACE) from models/diffusers. Only "
+                ".safetensors weights are read; tensors stream from the files straight into place."
+            ),
+            inputs=[
+                io.Combo.Input(
+                    "model_name",
+                    options=find_pipeline_folders(_model_roots()),
+                    tooltip="A pipeline folder under models/diffusers that has a model_index.json naming "
+                    "WanVACEPipeline, e.g. Wan2.2-VACE-Fun-A14B-Diffusers.",
+                ),
+                io.Combo.Input(
+                    "dtype",
+                    options=list(DTYPES),
+                    default="bf16",
+                    tooltip="Weight and compute dtype. bf16 is what the model was trained in; fp32 doubles memory; "
+                    "fp16 may overflow. Norms and time embeddings stay fp32 as diffusers keeps them.",
+                ),
+            ],
+            outputs=[WanVACEModelType.Output(display_name="model", tooltip="The loaded WanVACE pipeline.")],
+        )
+
+    @classmethod
+    def validate_inputs(cls, model_name: str | None = None, dtype: str | None = None) -> bool | str:
+        if dtype is not None and dtype not in DTYPES:
+            return f"dtype={dtype!r} is not one of {', '.join(DTYPES)}."
+        if model_name is None:
+            return True
+        try:
+            inspect_pipeline_folder(resolve_model_folder(model_name))
+        except WanVACEModelFolderError as error:
+            return str(error)
+        return True
+
+    @classmethod
+    def execute(cls, model_name: str, dtype: str) -> io.NodeOutput:
+        device = comfy.model_management.get_torch_device()
+        return io.NodeOutput(load_pipeline(resolve_model_folder(model_name), dtype, device))

@@ -1,0 +1,113 @@
+"""WanVACESampler: the dual-expert denoising loop with ComfyUI progress and cancel."""
+
+from __future__ import annotations
+
+import comfy.model_management
+import comfy.utils
+from comfy_api.latest import io
+
+from ..wanvace_core import SCHEDULERS, SamplerSettings, sample, to_vae_space
+from .types import CATEGORY, WanVACEConditioningType, WanVACEModelType
+
+MODEL_DEFAULT = -1.0
+
+
+class WanVACESampler(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="WanVACESampler",
+            display_name="WanVACE Sampler",
+            category=CATEGORY,
+            description=(
+                "Denoises with the high-noise expert while t >= boundary_ratio x 1000 and the low-noise expert after, "
+                "each with its own guidance. Same seed, same noise as diffusers' WanVACEPipeline. Outputs a video "
+                "LATENT in raw VAE space (reference frames removed)."
+            ),
+            inputs=[
+                WanVACEModelType.Input("model", tooltip="The pipeline from WanVACE Model Loader."),
+                WanVACEConditioningType.Input("conditioning", tooltip="From WanVACE Conditioning."),
+                io.Int.Input(
+                    "seed",
+                    default=0,
+                    min=0,
+                    max=0xFFFFFFFFFFFFFFFF,
+                    control_after_generate=True,
+                    tooltip="Noise seed; equals torch.Generator('cpu').manual_seed(seed) in diffusers.",
+                ),
+                io.Int.Input("steps", default=20, min=1, max=200, tooltip="Denoising steps; 20-40 is typical."),
+                io.Float.Input(
+                    "cfg",
+                    default=5.0,
+                    min=1.0,
+                    max=30.0,
+                    step=0.1,
+                    tooltip="Guidance of the high-noise expert (and of a single-expert Wan2.1 model). 1.0 skips the "
+                    "negative pass and halves the cost of those steps.",
+                ),
+                io.Float.Input(
+                    "cfg_low_noise",
+                    default=5.0,
+                    min=1.0,
+                    max=30.0,
+                    step=0.1,
+                    tooltip="Guidance of the low-noise expert (transformer_2). 1.0 skips its negative pass.",
+                ),
+                io.Float.Input(
+                    "boundary_ratio",
+                    default=MODEL_DEFAULT,
+                    min=-1.0,
+                    max=1.0,
+                    step=0.005,
+                    tooltip="Expert switch point as a fraction of 1000 timesteps. -1 uses the model's value (0.875 for "
+                    "Wan2.2). 0.0 runs only the high-noise expert, 1.0 only the low-noise expert.",
+                ),
+                io.Float.Input(
+                    "shift",
+                    default=0.0,
+                    min=0.0,
+                    max=100.0,
+                    step=0.1,
+                    tooltip="Flow-matching sigma shift. 0 uses the model's scheduler value (3.0); 5.0 suits 720p.",
+                ),
+                io.Combo.Input(
+                    "scheduler",
+                    options=list(SCHEDULERS),
+                    default="unipc",
+                    tooltip="unipc: UniPC multistep flow matching (the model's default). euler: flow-matching Euler.",
+                ),
+            ],
+            outputs=[io.Latent.Output(display_name="latent", tooltip="The denoised video latent.")],
+        )
+
+    @classmethod
+    def execute(
+        cls,
+        model,
+        conditioning,
+        seed: int,
+        steps: int,
+        cfg: float,
+        cfg_low_noise: float,
+        boundary_ratio: float,
+        shift: float,
+        scheduler: str,
+    ) -> io.NodeOutput:
+        settings = SamplerSettings(
+            seed=seed,
+            steps=steps,
+            cfg=cfg,
+            cfg_low_noise=cfg_low_noise,
+            boundary_ratio=None if boundary_ratio < 0 else boundary_ratio,
+            shift=None if shift <= 0 else shift,
+            scheduler=scheduler,
+        )
+        progress = comfy.utils.ProgressBar(steps)
+
+        def on_step(index: int, total: int, _latents) -> None:
+            progress.update_absolute(index + 1, total)
+            comfy.model_management.throw_exception_if_processing_interrupted()
+
+        comfy.model_management.throw_exception_if_processing_interrupted()
+        latents = sample(model, conditioning, settings, callback=on_step)
+        return io.NodeOutput({"samples": to_vae_space(model, latents).cpu()})

@@ -1,0 +1,8 @@
+"""Custom ComfyUI socket types of this package."""
+
+from comfy_api.latest import io
+
+WanVACEModelType = io.Custom("WANVACE_MODEL")
+WanVACEConditioningType = io.Custom("WANVACE_COND")
+
+CATEGORY = "WanVACE"

@@ -1,0 +1,591 @@
+"""Drive a real ComfyUI server (from .cache/comfyui) for integration tests and demos.
+
+Kept free of pytest imports so demo scripts can reuse it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Self
+
+import requests
+import websocket
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_COMFY_DIR = REPO_ROOT / ".cache" / "comfyui"
+DEFAULT_PYTHON = REPO_ROOT / ".venv" / "bin" / "python"
+BROWSER_DIR = REPO_ROOT / "tests" / "browser"
+PACKAGE_DIR_NAME = "ComfyUI-WanVACE"
+
+# Events after which ComfyUI has decided the outcome of a prompt. The history
+# entry is only written after these, right before `executing` with node None.
+_STATUS_EVENTS = {
+    "execution_success": "success",
+    "execution_error": "error",
+    "execution_interrupted": "interrupted",
+}
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _file_entries(outputs: dict) -> Iterable[dict]:
+    """Yield every {filename, subfolder, type} dict in a history `outputs` map.
+
+    SaveImage uses "images", SaveVideo/SaveWEBM/SaveAnimatedWEBP also use
+    "images" (plus "animated": [true]), older video nodes use "gifs"/"videos";
+    walking all list values covers every variant without naming them.
+    """
+    for node_out in outputs.values():
+        if not isinstance(node_out, dict):
+            continue
+        for value in node_out.values():
+            if not isinstance(value, list):
+                continue
+            for item in value:
+                if isinstance(item, dict) and "filename" in item:
+                    yield item
+
+
+@dataclass
+class RunResult:
+    prompt_id: str | None
+    # "success", "error", "interrupted", or "rejected" (HTTP 400 from /prompt)
+    status: str
+    events: list[tuple[str, Any]] = field(default_factory=list)
+    # The /history/{prompt_id} entry: {"prompt", "outputs", "status", "meta"}.
+    history: dict = field(default_factory=dict)
+    # Body of the /prompt answer; holds "error" and "node_errors" when rejected.
+    response: dict = field(default_factory=dict)
+    base_dir: Path | None = None
+    duration_s: float = 0.0
+
+    @property
+    def outputs(self) -> dict:
+        return self.history.get("outputs", {})
+
+    @property
+    def error(self) -> dict | None:
+        for etype, data in self.events:
+            if etype == "execution_error":
+                return data
+        return None
+
+    @property
+    def node_errors(self) -> dict:
+        return self.response.get("node_errors", {})
+
+    def events_of(self, etype: str) -> list[Any]:
+        return [data for t, data in self.events if t == etype]
+
+    def progress_events(self) -> list[dict]:
+        return self.events_of("progress")
+
+    def executed_nodes(self) -> list[str]:
+        return [d.get("node") for d in self.events_of("executed")]
+
+    def output_files(self, include_temp: bool = False) -> list[Path]:
+        if self.base_dir is None:
+            return []
+        roots = {"output": self.base_dir / "output"}
+        if include_temp:
+            roots["temp"] = self.base_dir / "temp"
+        files = []
+        for item in _file_entries(self.outputs):
+            root = roots.get(item.get("type", "output"))
+            if root is None:
+                continue
+            files.append(root / item.get("subfolder", "") / item["filename"])
+        return files
+
+
+class ComfyServer:
+    def __init__(
+        self,
+        base_dir: Path,
+        comfy_dir: Path = DEFAULT_COMFY_DIR,
+        python: Path | str = DEFAULT_PYTHON,
+        port: int | None = None,
+        extra_args: Iterable[str] = (),
+        env: dict[str, str] | None = None,
+    ):
+        self.base_dir = Path(base_dir).resolve()
+        self.comfy_dir = Path(comfy_dir)
+        self.python = str(python)
+        self.port = port or free_port()
+        self.extra_args = list(extra_args)
+        self.extra_env = dict(env or {})
+        self.proc: subprocess.Popen | None = None
+        self.log_path = self.base_dir / "server.log"
+        self.start_duration_s: float | None = None
+        self.http = requests.Session()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    # --- lifecycle ---------------------------------------------------------
+
+    def prepare(self) -> None:
+        for sub in ("custom_nodes", "models/diffusers", "input", "output", "user"):
+            (self.base_dir / sub).mkdir(parents=True, exist_ok=True)
+        link = self.base_dir / "custom_nodes" / PACKAGE_DIR_NAME
+        if not link.is_symlink() and not link.exists():
+            link.symlink_to(REPO_ROOT, target_is_directory=True)
+
+    def command(self) -> list[str]:
+        return [
+            self.python,
+            "main.py",
+            "--cpu",
+            "--listen",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--base-directory",
+            str(self.base_dir),
+            "--database-url",
+            f"sqlite:///{self.base_dir / 'user' / 'comfyui.db'}",
+            "--disable-auto-launch",
+            "--disable-api-nodes",
+            *self.extra_args,
+        ]
+
+    def start(self, timeout: float = 180) -> None:
+        if not (self.comfy_dir / "main.py").is_file():
+            raise RuntimeError(f"ComfyUI not found at {self.comfy_dir}; run `bash scripts/setup.sh` first")
+        if self.proc is not None and self.proc.poll() is None:
+            return
+        self.prepare()
+        env = dict(os.environ)
+        env.update(
+            PYTHONUNBUFFERED="1",
+            # Tests must never reach the network; tiny models live on disk.
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            DO_NOT_TRACK="1",
+        )
+        env.update(self.extra_env)
+        t0 = time.monotonic()
+        # The child keeps its own copy of the log descriptor, so ours can close.
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.command(),
+                cwd=self.comfy_dir,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                # Own process group so stop() can also reap anything ComfyUI spawns.
+                start_new_session=True,
+            )
+        deadline = t0 + timeout
+        while True:
+            if self.proc.poll() is not None:
+                rc = self.proc.returncode
+                raise RuntimeError(f"ComfyUI exited with {rc} during start\n{self.log_tail()}")
+            try:
+                if self.http.get(f"{self.url}/system_stats", timeout=2).status_code == 200:
+                    break
+            except (requests.ConnectionError, requests.Timeout):
+                # Not listening yet, or busy loading nodes; keep polling.
+                pass
+            if time.monotonic() > deadline:
+                tail = self.log_tail()
+                self.stop()
+                raise RuntimeError(f"ComfyUI did not answer within {timeout}s\n{tail}")
+            time.sleep(0.25)
+        self.start_duration_s = time.monotonic() - t0
+
+    def stop(self, timeout: float = 20) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            self._signal_group(proc, signal.SIGTERM)
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self._signal_group(proc, signal.SIGKILL)
+                proc.wait(timeout=timeout)
+
+    @staticmethod
+    def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def is_running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # --- logs --------------------------------------------------------------
+
+    def log_text(self) -> str:
+        if not self.log_path.exists():
+            return ""
+        return self.log_path.read_text(encoding="utf-8", errors="replace")
+
+    def log_tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    # --- HTTP API ----------------------------------------------------------
+
+    def get(self, path: str, **kw) -> requests.Response:
+        kw.setdefault("timeout", 30)
+        return self.http.get(f"{self.url}{path}", **kw)
+
+    def post(self, path: str, payload: Any = None, **kw) -> requests.Response:
+        kw.setdefault("timeout", 30)
+        return self.http.post(f"{self.url}{path}", json=payload, **kw)
+
+    def system_stats(self) -> dict:
+        r = self.get("/system_stats")
+        r.raise_for_status()
+        return r.json()
+
+    def object_info(self, node_class: str | None = None) -> dict:
+        r = self.get(f"/object_info/{node_class}" if node_class else "/object_info", timeout=120)
+        r.raise_for_status()
+        return r.json()
+
+    def queue_prompt(
+        self, prompt: dict, client_id: str | None = None, prompt_id: str | None = None
+    ) -> tuple[int, dict]:
+        payload: dict[str, Any] = {
+            "prompt": prompt,
+            "client_id": client_id or uuid.uuid4().hex,
+        }
+        if prompt_id is not None:
+            payload["prompt_id"] = prompt_id
+        r = self.post("/prompt", payload, timeout=120)
+        try:
+            body = r.json()
+        except ValueError:
+            body = {"raw": r.text}
+        return r.status_code, body
+
+    def interrupt(self, prompt_id: str | None = None) -> None:
+        self.post("/interrupt", {"prompt_id": prompt_id} if prompt_id else {}).raise_for_status()
+
+    def free(self, unload_models: bool = True, free_memory: bool = True) -> None:
+        payload = {"unload_models": unload_models, "free_memory": free_memory}
+        self.post("/free", payload).raise_for_status()
+
+    def history(self, prompt_id: str) -> dict | None:
+        """The history entry for prompt_id, or None while ComfyUI has none."""
+        r = self.get(f"/history/{prompt_id}")
+        r.raise_for_status()
+        return r.json().get(prompt_id)
+
+    def queue_state(self) -> dict:
+        r = self.get("/queue")
+        r.raise_for_status()
+        return r.json()
+
+    def wait_idle(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            q = self.queue_state()
+            if not q.get("queue_running") and not q.get("queue_pending"):
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"queue still busy after {timeout}s: {self.queue_state()}")
+
+    # --- running prompts ---------------------------------------------------
+
+    def run_prompt(
+        self,
+        prompt: dict,
+        timeout: float = 600,
+        interrupt_after_progress: int | None = None,
+        client_id: str | None = None,
+    ) -> RunResult:
+        client_id = client_id or uuid.uuid4().hex
+        t0 = time.monotonic()
+        # Connect before queueing so no event for this prompt can be missed.
+        ws = websocket.create_connection(f"ws://127.0.0.1:{self.port}/ws?clientId={client_id}", timeout=30)
+        try:
+            code, body = self.queue_prompt(prompt, client_id)
+            if code != 200:
+                return RunResult(
+                    prompt_id=None,
+                    status="rejected",
+                    response=body,
+                    base_dir=self.base_dir,
+                    duration_s=time.monotonic() - t0,
+                )
+            prompt_id = body["prompt_id"]
+            events, status = self._collect_events(ws, prompt_id, t0 + timeout, interrupt_after_progress)
+        finally:
+            ws.close()
+        history = self._wait_history(prompt_id, timeout=30)
+        if status is None:
+            status = _status_from_history(history)
+        return RunResult(
+            prompt_id=prompt_id,
+            status=status,
+            events=events,
+            history=history,
+            response=body,
+            base_dir=self.base_dir,
+            duration_s=time.monotonic() - t0,
+        )
+
+    def _collect_events(
+        self, ws, prompt_id: str, deadline: float, interrupt_after_progress: int | None
+    ) -> tuple[list[tuple[str, Any]], str | None]:
+        events: list[tuple[str, Any]] = []
+        status = None
+        progress_seen = 0
+        interrupted_sent = False
+        ws.settimeout(1.0)
+        while True:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"prompt {prompt_id} did not finish in time; last events: "
+                    f"{[e[0] for e in events[-10:]]}\n{self.log_tail()}"
+                )
+            if not self.is_running() and self.proc is not None:
+                raise RuntimeError(f"ComfyUI died while running {prompt_id}\n{self.log_tail()}")
+            try:
+                msg = ws.recv()
+            except websocket.WebSocketTimeoutException:
+                continue
+            except websocket.WebSocketConnectionClosedException as e:
+                raise RuntimeError(f"websocket closed while running {prompt_id}\n{self.log_tail()}") from e
+            # Binary frames carry preview images; they are not part of the result.
+            if not isinstance(msg, str):
+                continue
+            try:
+                message = json.loads(msg)
+            except ValueError:
+                continue
+            etype = message.get("type")
+            data = message.get("data")
+            if not isinstance(data, dict) or data.get("prompt_id") != prompt_id:
+                continue
+            events.append((etype, data))
+            if etype in _STATUS_EVENTS:
+                status = _STATUS_EVENTS[etype]
+            elif etype == "progress" and interrupt_after_progress is not None:
+                progress_seen += 1
+                if progress_seen >= interrupt_after_progress and not interrupted_sent:
+                    self.interrupt(prompt_id)
+                    interrupted_sent = True
+            elif etype == "executing" and data.get("node") is None:
+                return events, status
+
+    def _wait_history(self, prompt_id: str, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            entry = self.history(prompt_id)
+            if entry is not None:
+                return entry
+            if time.monotonic() > deadline:
+                return {}
+            time.sleep(0.1)
+
+
+def _status_from_history(history: dict) -> str:
+    st = history.get("status", {})
+    if st.get("status_str") == "success":
+        return "success"
+    for name, _data in st.get("messages", []):
+        if name in _STATUS_EVENTS:
+            return _STATUS_EVENTS[name]
+    return "error"
+
+
+# --- example media ---------------------------------------------------------
+
+
+def _gradient(w: int, h: int, phase: float = 0.0):
+    import numpy as np
+
+    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
+    r = (x / max(w - 1, 1)) * 255
+    g = (y / max(h - 1, 1)) * 255
+    b = (0.5 + 0.5 * np.sin((x + y) / 9.0 + phase)) * 255
+    return np.stack([r, g, b], axis=-1).clip(0, 255).astype(np.uint8)
+
+
+def _image_with_shapes(w: int, h: int, phase: float, shapes_color=(255, 255, 255)):
+    from PIL import Image, ImageDraw
+
+    img = Image.fromarray(_gradient(w, h, phase))
+    draw = ImageDraw.Draw(img)
+    cx, cy = w // 2, h // 2
+    r = min(w, h) // 5
+    draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=shapes_color)
+    draw.rectangle([4, 4, 4 + w // 6, 4 + h // 6], fill=(0, 0, 0))
+    return img
+
+
+def _moving_frame(i: int, n: int, size: int, invert: bool):
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    base = _gradient(size, size, phase=i * 0.3)
+    if invert:
+        base = 255 - base
+    img = Image.fromarray(np.ascontiguousarray(base))
+    draw = ImageDraw.Draw(img)
+    t = i / max(n - 1, 1)
+    r = size // 8
+    x = int(r + t * (size - 2 * r))
+    y = int(size / 2 + (size / 4) * np.sin(2 * np.pi * t))
+    draw.ellipse([x - r, y - r, x + r, y + r], fill=(255, 255, 0))
+    sq = size // 6
+    sx = int((1 - t) * (size - sq))
+    draw.rectangle([sx, 8, sx + sq, 8 + sq], fill=(0, 64, 255))
+    return np.asarray(img)
+
+
+def write_video(path: Path, frames, fps: int = 16) -> None:
+    import av
+
+    path = Path(path)
+    height, width = frames[0].shape[:2]
+    with av.open(str(path), mode="w") as container:
+        stream = container.add_stream("libx264", rate=fps)
+        stream.width = width
+        stream.height = height
+        stream.pix_fmt = "yuv420p"
+        # Constant quality and no B-frame reordering keep the decode exact in frame count.
+        stream.options = {"crf": "18", "bf": "0"}
+        for arr in frames:
+            frame = av.VideoFrame.from_ndarray(arr, format="rgb24")
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+
+
+def write_example_inputs(input_dir: Path) -> dict[str, Path]:
+    """Write the deterministic example media the workflows reference.
+
+    Returns name -> path for every file written.
+    """
+    from PIL import Image, ImageDraw
+
+    input_dir = Path(input_dir)
+    input_dir.mkdir(parents=True, exist_ok=True)
+    written: dict[str, Path] = {}
+
+    def save(name: str, img) -> None:
+        p = input_dir / name
+        img.save(p)
+        written[name] = p
+
+    save("wanvace_example_first.png", _image_with_shapes(128, 128, 0.0))
+    save("wanvace_example_last.png", _image_with_shapes(128, 128, 2.0, (255, 64, 64)))
+    save("wanvace_example_ref1.png", _image_with_shapes(96, 64, 1.0, (64, 255, 64)))
+    save("wanvace_example_ref2.png", _image_with_shapes(64, 96, 3.0, (64, 64, 255)))
+
+    mask = Image.new("RGB", (128, 128), (0, 0, 0))
+    ImageDraw.Draw(mask).rectangle([32, 40, 95, 87], fill=(255, 255, 255))
+    save("wanvace_example_mask.png", mask)
+
+    for name, invert in (
+        ("wanvace_example_control.mp4", False),
+        ("wanvace_example_source.mp4", True),
+    ):
+        frames = [_moving_frame(i, 17, 128, invert) for i in range(17)]
+        p = input_dir / name
+        write_video(p, frames, fps=16)
+        written[name] = p
+    return written
+
+
+def count_video_frames(path: Path) -> int:
+    import av
+
+    with av.open(str(path)) as container:
+        return sum(1 for _ in container.decode(video=0))
+
+
+# --- browser check ---------------------------------------------------------
+
+
+def check_workflows_in_browser(
+    server_url: str,
+    workflow_paths: Iterable[Path | str],
+    out_path: Path | str,
+    timeout: float = 600,
+) -> list[dict]:
+    """Load UI-format workflows into the real frontend via headless Chromium.
+
+    Returns one dict per workflow: file, missing_types, broken_links,
+    raw_broken_links, dialogs, load_error, console_errors, console_noise,
+    startup_console_errors, api_prompt, node_count, node_types.
+
+    broken_links is checked after the frontend loaded the graph; with the
+    default Comfy.Validation.Workflows setting the frontend deletes dangling
+    links itself (and shows a "Workflow Validation" toast, captured in
+    dialogs), so raw_broken_links checks the file as written.
+    """
+    node = shutil.which("node")
+    if node is None:
+        raise RuntimeError("node is not installed; run `bash scripts/setup.sh`")
+    if not (BROWSER_DIR / "node_modules" / "playwright-core").is_dir():
+        raise RuntimeError("playwright-core missing; run `bash scripts/setup.sh`")
+    out_path = Path(out_path).resolve()
+    cmd = [
+        node,
+        "check_workflows.mjs",
+        "--url",
+        server_url,
+        "--out",
+        str(out_path),
+        *[str(Path(p).resolve()) for p in workflow_paths],
+    ]
+    proc = subprocess.run(
+        cmd,
+        cwd=BROWSER_DIR,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"browser check failed ({proc.returncode})\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+        )
+    report = json.loads(out_path.read_text())
+    startup = report.get("startup_console_errors", [])
+    results = report["results"]
+    for res in results:
+        res["startup_console_errors"] = startup
+    return results
+
+
+if __name__ == "__main__":
+    # Handy for poking at the harness by hand: serve an empty base dir.
+    base = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/wanvace-comfy")
+    with ComfyServer(base) as srv:
+        print(f"ComfyUI at {srv.url} (started in {srv.start_duration_s:.1f}s); Ctrl-C to stop")
+        try:
+            while srv.is_running():
+                time.sleep(1)
+        except KeyboardInterrupt:
+            pass

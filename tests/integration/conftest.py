@@ -1,0 +1,68 @@
+"""Fixtures that run a real ComfyUI with this package installed as a custom node."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+_TESTS_DIR = Path(__file__).resolve().parents[1]
+_REPO_ROOT = _TESTS_DIR.parent
+# The harness and wanvace_core must import the same way whether or not tests/
+# becomes a package, so both roots go on sys.path explicitly.
+for _p in (str(_TESTS_DIR), str(_REPO_ROOT)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+from comfy_server import DEFAULT_COMFY_DIR, ComfyServer, write_example_inputs  # noqa: E402
+
+TINY_TWO_EXPERTS = "wanvace-tiny"
+TINY_SINGLE_EXPERT = "wanvace21-tiny"
+NOT_VACE = "not-a-vace-pipeline"
+TRUNCATED = "wanvace-truncated"
+
+
+def _write_models(models_dir: Path) -> None:
+    from wanvace_core.tiny import TinyModelSpec, write_tiny_pipeline
+
+    two = write_tiny_pipeline(models_dir / TINY_TWO_EXPERTS, TinyModelSpec(two_experts=True))
+    write_tiny_pipeline(models_dir / TINY_SINGLE_EXPERT, TinyModelSpec(two_experts=False))
+
+    not_vace = models_dir / NOT_VACE
+    not_vace.mkdir(parents=True, exist_ok=True)
+    (not_vace / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
+
+    truncated = models_dir / TRUNCATED
+    shutil.copytree(two, truncated)
+    weights = truncated / "transformer" / "diffusion_pytorch_model.safetensors"
+    size = weights.stat().st_size
+    with open(weights, "r+b") as f:
+        f.truncate(size // 2)
+
+
+@pytest.fixture(scope="session")
+def comfy_base(tmp_path_factory) -> Path:
+    base = tmp_path_factory.mktemp("comfy_base")
+    # Going through ComfyServer.prepare keeps the layout in one place.
+    ComfyServer(base).prepare()
+    _write_models(base / "models" / "diffusers")
+    write_example_inputs(base / "input")
+    return base
+
+
+@pytest.fixture(scope="session")
+def comfy_server(comfy_base):
+    if not (DEFAULT_COMFY_DIR / "main.py").is_file():
+        pytest.fail(
+            f"ComfyUI is not installed at {DEFAULT_COMFY_DIR}; run `bash scripts/setup.sh`",
+            pytrace=False,
+        )
+    server = ComfyServer(comfy_base)
+    server.start(timeout=180)
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -1,0 +1,153 @@
+"""Bitwise parity with diffusers' WanVACEPipeline for every VACE task, dtype and boundary."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, WanVACEPipeline
+
+from tests.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, TASKS, WIDTH, build_task
+from wanvace_core import (
+    SamplerSettings,
+    VACEInputs,
+    decode,
+    load_pipeline,
+    prepare_conditioning,
+    sample,
+    to_vae_space,
+)
+
+STEPS = 4
+CFG, CFG_LOW = 5.0, 3.0
+SEED = 1234
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@pytest.fixture(scope="module")
+def reference_pipelines(tiny_folder):
+    cache = {}
+
+    def get(dtype: str) -> WanVACEPipeline:
+        if dtype not in cache:
+            pipeline = WanVACEPipeline.from_pretrained(tiny_folder, torch_dtype=TORCH_DTYPES[dtype])
+            pipeline.set_progress_bar_config(disable=True)
+            cache[dtype] = pipeline
+        return cache[dtype]
+
+    return get
+
+
+def _count_expert_calls(model):
+    counts = {"transformer": 0, "transformer_2": 0}
+    handles = []
+    for name in counts:
+        expert = getattr(model, name)
+
+        def hook(*_args, _name=name):
+            counts[_name] += 1
+
+        handles.append(expert.register_forward_pre_hook(hook))
+    return counts, handles
+
+
+def _run_reference(pipeline, case, boundary_ratio, scheduler=None):
+    pipeline.register_to_config(boundary_ratio=boundary_ratio)
+    if scheduler is not None:
+        pipeline.scheduler = scheduler
+    captured = {}
+
+    def keep_latents(_pipe, index, _t, kwargs):
+        captured["latents"] = kwargs["latents"]
+        return {}
+
+    output = pipeline(
+        prompt=PROMPT,
+        negative_prompt=NEGATIVE,
+        height=HEIGHT,
+        width=WIDTH,
+        num_frames=LENGTH,
+        num_inference_steps=STEPS,
+        guidance_scale=CFG,
+        guidance_scale_2=None if boundary_ratio is None else CFG_LOW,
+        generator=torch.Generator("cpu").manual_seed(SEED),
+        output_type="pt",
+        callback_on_step_end=keep_latents,
+        **case.theirs,
+    )
+    return captured["latents"], output.frames[0]
+
+
+@pytest.mark.parametrize("boundary_ratio", [0.0, 0.875, 1.0])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("task", TASKS)
+def test_latents_and_frames_bitwise_equal_to_diffusers(task, dtype, boundary_ratio, loaded_models, reference_pipelines):
+    model = loaded_models(dtype)
+    reference = reference_pipelines(dtype)
+    original_scheduler = reference.scheduler
+    case = build_task(task)
+
+    cond = prepare_conditioning(model, VACEInputs(PROMPT, NEGATIVE, WIDTH, HEIGHT, LENGTH, strength=1.0, **case.ours))
+    counts, handles = _count_expert_calls(model)
+    try:
+        ours = sample(
+            model,
+            cond,
+            SamplerSettings(seed=SEED, steps=STEPS, cfg=CFG, cfg_low_noise=CFG_LOW, boundary_ratio=boundary_ratio),
+        )
+    finally:
+        for handle in handles:
+            handle.remove()
+    try:
+        their_latents, their_frames = _run_reference(reference, case, boundary_ratio)
+    finally:
+        reference.scheduler = original_scheduler
+
+    expected = their_latents[:, :, cond.num_reference_images :]
+    assert ours.shape == expected.shape
+    assert (ours - expected).abs().max().item() == 0.0
+
+    if boundary_ratio == 0.0:
+        assert counts == {"transformer": 2 * STEPS, "transformer_2": 0}
+    elif boundary_ratio == 1.0:
+        assert counts == {"transformer": 0, "transformer_2": 2 * STEPS}
+    else:
+        assert counts["transformer"] > 0 and counts["transformer_2"] > 0
+        assert counts["transformer"] + counts["transformer_2"] == 2 * STEPS
+
+    if boundary_ratio == 0.875:
+        frames = decode(model, to_vae_space(model, ours))
+        assert frames.shape == (LENGTH, HEIGHT, WIDTH, 3)
+        assert torch.equal(frames, their_frames.permute(0, 2, 3, 1).float())
+
+
+@pytest.mark.parametrize("task", ["v2v", "r2v"])
+def test_euler_scheduler_bitwise_equal_to_diffusers(task, loaded_models, reference_pipelines):
+    model = loaded_models("fp32")
+    reference = reference_pipelines("fp32")
+    case = build_task(task)
+    cond = prepare_conditioning(model, VACEInputs(PROMPT, NEGATIVE, WIDTH, HEIGHT, LENGTH, **case.ours))
+    ours = sample(
+        model,
+        cond,
+        SamplerSettings(seed=SEED, steps=STEPS, cfg=CFG, cfg_low_noise=CFG_LOW, shift=5.0, scheduler="euler"),
+    )
+    original = reference.scheduler
+    try:
+        their_latents, _ = _run_reference(
+            reference, case, 0.875, FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=5.0)
+        )
+    finally:
+        reference.scheduler = original
+    assert torch.equal(ours, their_latents[:, :, cond.num_reference_images :])
+
+
+def test_single_expert_wan21_folder_bitwise_equal(tiny_single_folder):
+    model = load_pipeline(tiny_single_folder, "fp32")
+    assert model.transformer_2 is None and model.boundary_ratio is None
+    reference = WanVACEPipeline.from_pretrained(tiny_single_folder, torch_dtype=torch.float32)
+    reference.set_progress_bar_config(disable=True)
+    case = build_task("i2v")
+    cond = prepare_conditioning(model, VACEInputs(PROMPT, NEGATIVE, WIDTH, HEIGHT, LENGTH, **case.ours))
+    ours = sample(model, cond, SamplerSettings(seed=SEED, steps=STEPS, cfg=CFG, cfg_low_noise=CFG))
+    their_latents, _ = _run_reference(reference, case, None)
+    assert torch.equal(ours, their_latents)

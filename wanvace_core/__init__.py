@@ -1,0 +1,38 @@
+"""ComfyUI-free core of ComfyUI-WanVACE: loading, VACE conditioning, dual-expert sampling, decoding."""
+
+from .conditioning import (
+    VACEConditioning,
+    VACEInputs,
+    prepare_conditioning,
+    validate_generation_size,
+    validate_prompt,
+    validate_vace_inputs,
+)
+from .decoding import decode, to_vae_space
+from .errors import WanVACEError, WanVACEInputError, WanVACEModelFolderError
+from .folder import find_pipeline_folders, inspect_pipeline_folder
+from .loading import DTYPES, load_pipeline
+from .model import WanVACEModel
+from .sampling import SCHEDULERS, SamplerSettings, sample
+
+__all__ = [
+    "DTYPES",
+    "SCHEDULERS",
+    "SamplerSettings",
+    "VACEConditioning",
+    "VACEInputs",
+    "WanVACEError",
+    "WanVACEInputError",
+    "WanVACEModel",
+    "WanVACEModelFolderError",
+    "decode",
+    "find_pipeline_folders",
+    "inspect_pipeline_folder",
+    "load_pipeline",
+    "prepare_conditioning",
+    "sample",
+    "to_vae_space",
+    "validate_generation_size",
+    "validate_prompt",
+    "validate_vace_inputs",
+]

@@ -1,0 +1,182 @@
+"""VACE conditioning: text embeddings plus the encoded control video, mask and reference images.
+
+Inputs arrive in ComfyUI's layout (frames `[T, H, W, 3]` and masks `[T, H, W]` in `[0, 1]`).
+Given frames cover the start of the video; the rest is padded with mid-grey and masked as
+"generate", as ComfyUI's own WanVaceToVideo does. A single mask frame applies to every given
+frame. Masks are 1 where the model generates and 0 where it keeps the given pixels. With frames
+but no mask, the frames are a control signal (depth, pose, ...) for the whole video.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import WanVACEInputError
+from .model import WanVACEModel
+
+_PAD_GREY = 0.5
+
+
+@dataclass(frozen=True)
+class VACEInputs:
+    """What the user asked for, in ComfyUI's tensor layout."""
+
+    positive: str
+    negative: str
+    width: int
+    height: int
+    length: int
+    strength: float = 1.0
+    control_video: torch.Tensor | None = None
+    control_masks: torch.Tensor | None = None
+    reference_images: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class VACEConditioning:
+    """Everything the sampler needs besides the model and the seed."""
+
+    prompt_embeds: torch.Tensor
+    negative_prompt_embeds: torch.Tensor
+    conditioning_latents: torch.Tensor
+    conditioning_scale: torch.Tensor
+    num_reference_images: int
+    width: int
+    height: int
+    length: int
+
+
+def validate_generation_size(
+    width: int, height: int, length: int, spatial_multiple: int = 16, temporal_stride: int = 4
+):
+    """Checks the output size; raises `WanVACEInputError` with the nearest valid values."""
+    for name, value in (("width", width), ("height", height)):
+        if value <= 0 or value % spatial_multiple:
+            nearest = max(spatial_multiple, round(value / spatial_multiple) * spatial_multiple)
+            raise WanVACEInputError(f"{name}={value} is not a positive multiple of {spatial_multiple}; use {nearest}.")
+    if length < 1 or (length - 1) % temporal_stride:
+        nearest = max(1, round((length - 1) / temporal_stride) * temporal_stride + 1)
+        raise WanVACEInputError(
+            f"length={length} frames is not of the form {temporal_stride}n+1 (e.g. 33, 49, 81); use {nearest}."
+        )
+
+
+def validate_prompt(positive: str) -> None:
+    if not positive or not positive.strip():
+        raise WanVACEInputError("positive prompt is empty; describe the video you want (the model needs text).")
+
+
+def _check_frames(name: str, tensor: torch.Tensor, width: int, height: int, length: int, channels: bool) -> None:
+    expected_ndim = 4 if channels else 3
+    if tensor.ndim != expected_ndim or (channels and tensor.shape[-1] < 3):
+        layout = "[frames, height, width, 3]" if channels else "[frames, height, width]"
+        raise WanVACEInputError(f"{name} has shape {tuple(tensor.shape)}; expected {layout}.")
+    frames, tensor_height, tensor_width = tensor.shape[:3]
+    if (tensor_height, tensor_width) != (height, width):
+        raise WanVACEInputError(
+            f"{name} is {tensor_width}x{tensor_height} but the video is {width}x{height}; resize it first "
+            f"(ImageScale to {width}x{height})."
+        )
+    if frames > length:
+        raise WanVACEInputError(
+            f"{name} has {frames} frames but length={length}; trim it (ImageFromBatch) or raise length."
+        )
+
+
+def validate_vace_inputs(inputs: VACEInputs, spatial_multiple: int = 16, temporal_stride: int = 4) -> None:
+    """Validates everything before any encoding starts."""
+    validate_generation_size(inputs.width, inputs.height, inputs.length, spatial_multiple, temporal_stride)
+    validate_prompt(inputs.positive)
+    if not 0.0 <= inputs.strength <= 10.0:
+        raise WanVACEInputError(f"strength={inputs.strength} is outside [0, 10]; 1.0 is the trained value.")
+    size = (inputs.width, inputs.height, inputs.length)
+    if inputs.control_video is not None:
+        _check_frames("control_video", inputs.control_video, *size, channels=True)
+    if inputs.control_masks is not None:
+        masks = inputs.control_masks
+        if masks.ndim == 2:
+            masks = masks[None]
+        _check_frames("control_masks", masks, *size, channels=False)
+        if inputs.control_video is not None and masks.shape[0] not in (1, inputs.control_video.shape[0]):
+            raise WanVACEInputError(
+                f"control_masks has {masks.shape[0]} frames but control_video has {inputs.control_video.shape[0]}; "
+                "give one mask frame per video frame, or a single mask for all of them."
+            )
+    if inputs.reference_images is not None:
+        refs = inputs.reference_images
+        if refs.ndim != 4 or refs.shape[0] < 1 or refs.shape[-1] < 3:
+            raise WanVACEInputError(
+                f"reference_images has shape {tuple(refs.shape)}; expected an IMAGE batch [count, height, width, 3]."
+            )
+
+
+def full_length_video_and_mask(inputs: VACEInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole clip as `[length, H, W, 3]` frames and `[length, H, W]` masks in `[0, 1]`."""
+    length, height, width = inputs.length, inputs.height, inputs.width
+    video = torch.full((length, height, width, 3), _PAD_GREY, dtype=torch.float32)
+    mask = torch.ones((length, height, width), dtype=torch.float32)
+    given = 0
+    if inputs.control_video is not None:
+        given = inputs.control_video.shape[0]
+        video[:given] = inputs.control_video[..., :3].float().cpu()
+    if inputs.control_masks is not None:
+        masks = inputs.control_masks.float().cpu()
+        if masks.ndim == 2:
+            masks = masks[None]
+        if masks.shape[0] == 1 and given > 1:
+            masks = masks.expand(given, -1, -1)
+        mask[: masks.shape[0]] = masks
+    return video, mask
+
+
+def _reference_canvases(model: WanVACEModel, images: torch.Tensor, height: int, width: int) -> list[torch.Tensor]:
+    """Fits each reference image into a white canvas of the video size, aspect kept (as diffusers does)."""
+    processor = model.helper.video_processor
+    canvases = []
+    for image in images:
+        image = processor.preprocess(image[..., :3].permute(2, 0, 1)[None].float().cpu(), None, None)
+        image_height, image_width = image.shape[-2:]
+        scale = min(height / image_height, width / image_width)
+        new_height, new_width = int(image_height * scale), int(image_width * scale)
+        resized = torch.nn.functional.interpolate(
+            image, size=(new_height, new_width), mode="bilinear", align_corners=False
+        ).squeeze(0)
+        top, left = (height - new_height) // 2, (width - new_width) // 2
+        canvas = torch.ones(3, height, width, dtype=torch.float32)
+        canvas[:, top : top + new_height, left : left + new_width] = resized
+        canvases.append(canvas.to(model.device))
+    return canvases
+
+
+@torch.no_grad()
+def prepare_conditioning(model: WanVACEModel, inputs: VACEInputs) -> VACEConditioning:
+    """Encodes prompts and VACE inputs exactly as diffusers' WanVACEPipeline does."""
+    validate_vace_inputs(inputs, model.spatial_multiple, model.temporal_stride)
+    pipeline = model.helper
+    prompt_embeds = model.encode_prompt(inputs.positive)
+    negative_prompt_embeds = model.encode_prompt(inputs.negative)
+
+    frames, masks = full_length_video_and_mask(inputs)
+    # Same arithmetic as VideoProcessor.preprocess_video on PIL frames: [0,1] -> [-1,1].
+    video = (2.0 * frames - 1.0).permute(3, 0, 1, 2)[None].to(model.device)
+    mask = torch.clamp(((2.0 * masks - 1.0) + 1) / 2, min=0, max=1)[None, None].to(model.device)
+    references = []
+    if inputs.reference_images is not None:
+        references = _reference_canvases(model, inputs.reference_images, inputs.height, inputs.width)
+
+    latents = pipeline.prepare_video_latents(video, mask, [references], None, model.device)
+    packed_mask = pipeline.prepare_masks(mask, [references], None)
+    conditioning_latents = torch.cat([latents, packed_mask], dim=1).to(model.transformer_dtype)
+    scale = torch.tensor([float(inputs.strength)] * len(model.vace_layers))
+    return VACEConditioning(
+        prompt_embeds=prompt_embeds,
+        negative_prompt_embeds=negative_prompt_embeds,
+        conditioning_latents=conditioning_latents,
+        conditioning_scale=scale.to(device=model.device, dtype=model.transformer_dtype),
+        num_reference_images=len(references),
+        width=inputs.width,
+        height=inputs.height,
+        length=inputs.length,
+    )

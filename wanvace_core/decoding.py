@@ -1,0 +1,34 @@
+"""Latent space conversions and VAE decoding, with the same arithmetic as WanVACEPipeline."""
+
+from __future__ import annotations
+
+import torch
+
+from .model import WanVACEModel
+
+
+def _latent_statistics(model: WanVACEModel, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    config = model.vae.config
+    mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1).to(like.device, like.dtype)
+    inverse_std = 1.0 / torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(like.device, like.dtype)
+    return mean, inverse_std
+
+
+def to_vae_space(model: WanVACEModel, latents: torch.Tensor) -> torch.Tensor:
+    """Normalised sampler latents -> raw VAE latents (ComfyUI's LATENT convention), stored as fp32.
+
+    The arithmetic runs in the VAE dtype exactly as the pipeline's decode path does, so decoding
+    the result is bitwise equal to the pipeline; the fp32 copy holds bf16/fp16 values losslessly.
+    """
+    latents = latents.to(model.device, model.vae.dtype)
+    mean, inverse_std = _latent_statistics(model, latents)
+    return (latents / inverse_std + mean).float()
+
+
+@torch.no_grad()
+def decode(model: WanVACEModel, vae_latents: torch.Tensor) -> torch.Tensor:
+    """Raw VAE latents `[B, C, T, h, w]` -> frames `[B*T', H, W, 3]` in `[0, 1]` (fp32)."""
+    latents = vae_latents.to(model.device, model.vae.dtype)
+    video = model.vae.decode(latents, return_dict=False)[0]
+    frames = model.helper.video_processor.postprocess_video(video, output_type="pt")  # [B, T, C, H, W]
+    return frames.flatten(0, 1).permute(0, 2, 3, 1).float().cpu()

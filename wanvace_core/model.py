@@ -1,0 +1,121 @@
+"""The loaded pipeline: components plus the facts the sampler needs, and a prompt-embedding cache."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_PROMPT_CACHE_SIZE = 16
+
+
+def _log_release(source: str) -> None:
+    logger.info("Released WanVACE pipeline %s", source)
+
+
+@dataclass(eq=False)
+class WanVACEModel:
+    """A WanVACE pipeline loaded into memory.
+
+    `transformer` is the high-noise expert and `transformer_2` the low-noise one (diffusers naming);
+    a Wan2.1-VACE folder has only `transformer`.
+    """
+
+    source: Path
+    dtype: torch.dtype
+    device: torch.device
+    tokenizer: object
+    text_encoder: torch.nn.Module
+    vae: torch.nn.Module
+    transformer: torch.nn.Module | None
+    transformer_2: torch.nn.Module | None
+    scheduler_config: dict
+    boundary_ratio: float | None
+    max_sequence_length: int = 512
+    _prompt_cache: OrderedDict = field(default_factory=OrderedDict, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _helper: object = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        weakref.finalize(self, _log_release, str(self.source))
+
+    @property
+    def experts(self) -> list[torch.nn.Module]:
+        return [expert for expert in (self.transformer, self.transformer_2) if expert is not None]
+
+    @property
+    def reference_expert(self) -> torch.nn.Module:
+        """The expert whose config describes both (they share one architecture)."""
+        return self.experts[0]
+
+    @property
+    def transformer_dtype(self) -> torch.dtype:
+        return self.reference_expert.dtype
+
+    @property
+    def vace_layers(self) -> list[int]:
+        return list(self.reference_expert.config.vace_layers)
+
+    @property
+    def num_train_timesteps(self) -> int:
+        return int(self.scheduler_config.get("num_train_timesteps", 1000))
+
+    @property
+    def default_shift(self) -> float:
+        for key in ("flow_shift", "shift"):
+            if self.scheduler_config.get(key) is not None:
+                return float(self.scheduler_config[key])
+        return 1.0
+
+    @property
+    def spatial_multiple(self) -> int:
+        """Width and height must be multiples of this (VAE stride x patch size)."""
+        return self.helper.vae_scale_factor_spatial * self.reference_expert.config.patch_size[1]
+
+    @property
+    def temporal_stride(self) -> int:
+        return self.helper.vae_scale_factor_temporal
+
+    @property
+    def helper(self):
+        """A diffusers `WanVACEPipeline` over the same modules, for its preparation methods.
+
+        Using the pipeline's own preprocessing keeps our conditioning bitwise equal to diffusers.
+        """
+        if self._helper is None:
+            from diffusers import UniPCMultistepScheduler, WanVACEPipeline
+
+            self._helper = WanVACEPipeline(
+                tokenizer=self.tokenizer,
+                text_encoder=self.text_encoder,
+                vae=self.vae,
+                scheduler=UniPCMultistepScheduler.from_config(self.scheduler_config),
+                transformer=self.transformer,
+                transformer_2=self.transformer_2,
+                boundary_ratio=self.boundary_ratio,
+            )
+        return self._helper
+
+    @torch.no_grad()
+    def encode_prompt(self, text: str) -> torch.Tensor:
+        """Text embeddings in the transformer dtype; each distinct text is encoded once."""
+        with self._lock:
+            cached = self._prompt_cache.get(text)
+            if cached is not None:
+                self._prompt_cache.move_to_end(text)
+                return cached
+        embeds = self.helper._get_t5_prompt_embeds(
+            prompt=text, max_sequence_length=self.max_sequence_length, device=self.device
+        ).to(self.transformer_dtype)
+        with self._lock:
+            self._prompt_cache[text] = embeds
+            while len(self._prompt_cache) > _PROMPT_CACHE_SIZE:
+                self._prompt_cache.popitem(last=False)
+        return embeds

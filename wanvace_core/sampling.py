@@ -1,0 +1,144 @@
+"""The dual-expert denoising loop.
+
+The high-noise expert (`transformer`) runs while `t >= boundary_ratio * num_train_timesteps`,
+the low-noise expert (`transformer_2`) after. Each expert has its own guidance scale, and
+classifier-free guidance is skipped for an expert whose scale is 1.0. Latents stay in fp32 and
+are cast to the transformer dtype for each call, as diffusers does, so results match
+`WanVACEPipeline` bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
+from diffusers.utils.torch_utils import randn_tensor
+
+from .conditioning import VACEConditioning
+from .errors import WanVACEInputError
+from .model import WanVACEModel
+
+logger = logging.getLogger(__name__)
+
+SCHEDULERS = ("unipc", "euler")
+
+StepCallback = Callable[[int, int, torch.Tensor], None]
+"""Called after every step with (step index, total steps, latents); raising stops the run."""
+
+
+@dataclass(frozen=True)
+class SamplerSettings:
+    """How to denoise. `boundary_ratio`/`shift` of None mean the model's own values."""
+
+    seed: int
+    steps: int
+    cfg: float
+    cfg_low_noise: float
+    boundary_ratio: float | None = None
+    shift: float | None = None
+    scheduler: str = "unipc"
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise WanVACEInputError(f"steps={self.steps} must be at least 1; 20-40 is typical.")
+        if not 0 <= self.seed < 2**64:
+            raise WanVACEInputError(f"seed={self.seed} must lie in [0, 2**64).")
+        for name in ("cfg", "cfg_low_noise"):
+            if getattr(self, name) < 1.0:
+                raise WanVACEInputError(f"{name}={getattr(self, name)} is below 1.0; use 1.0 to disable guidance.")
+        if self.boundary_ratio is not None and not 0.0 <= self.boundary_ratio <= 1.0:
+            raise WanVACEInputError(
+                f"boundary_ratio={self.boundary_ratio} must lie in [0, 1] (0.875 for Wan2.2); 1.0 runs only the "
+                "low-noise expert, 0.0 only the high-noise expert."
+            )
+        if self.shift is not None and self.shift <= 0:
+            raise WanVACEInputError(f"shift={self.shift} must be positive (3.0 for 480p, 5.0 for 720p).")
+        if self.scheduler not in SCHEDULERS:
+            raise WanVACEInputError(f"scheduler={self.scheduler!r} is unknown; choose one of {', '.join(SCHEDULERS)}.")
+
+
+def make_scheduler(model: WanVACEModel, name: str, shift: float | None):
+    """A fresh flow-matching scheduler (schedulers are stateful: one per run)."""
+    shift = model.default_shift if shift is None else shift
+    if name == "unipc":
+        config = dict(model.scheduler_config)
+        if config.get("_class_name") != "UniPCMultistepScheduler":
+            config = {"num_train_timesteps": model.num_train_timesteps}
+        config.update(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=shift)
+        return UniPCMultistepScheduler.from_config(config)
+    return FlowMatchEulerDiscreteScheduler(num_train_timesteps=model.num_train_timesteps, shift=shift)
+
+
+@dataclass(frozen=True)
+class _ExpertPlan:
+    boundary_timestep: float | None
+
+    def pick(self, model: WanVACEModel, t: torch.Tensor, settings: SamplerSettings):
+        if self.boundary_timestep is None or t >= self.boundary_timestep:
+            expert, guidance = model.transformer, settings.cfg
+            if expert is None:
+                expert, guidance = model.transformer_2, settings.cfg_low_noise
+            return expert, guidance
+        return model.transformer_2, settings.cfg_low_noise
+
+
+def _plan(model: WanVACEModel, settings: SamplerSettings) -> _ExpertPlan:
+    if model.transformer is None or model.transformer_2 is None:
+        return _ExpertPlan(boundary_timestep=None)
+    ratio = model.boundary_ratio if settings.boundary_ratio is None else settings.boundary_ratio
+    return _ExpertPlan(boundary_timestep=ratio * model.num_train_timesteps)
+
+
+def initial_noise(model: WanVACEModel, cond: VACEConditioning, seed: int) -> torch.Tensor:
+    """The starting noise, drawn like diffusers with `torch.Generator("cpu").manual_seed(seed)`."""
+    stride = model.helper.vae_scale_factor_spatial
+    num_frames = cond.length + cond.num_reference_images * model.temporal_stride
+    shape = (
+        1,
+        model.reference_expert.config.in_channels,
+        (num_frames - 1) // model.temporal_stride + 1,
+        cond.height // stride,
+        cond.width // stride,
+    )
+    generator = torch.Generator("cpu").manual_seed(seed)
+    return randn_tensor(shape, generator=generator, device=model.device, dtype=torch.float32)
+
+
+@torch.no_grad()
+def sample(
+    model: WanVACEModel,
+    cond: VACEConditioning,
+    settings: SamplerSettings,
+    callback: StepCallback | None = None,
+) -> torch.Tensor:
+    """Denoises and returns normalised latents `[1, C, T, h, w]` (fp32), reference frames removed."""
+    scheduler = make_scheduler(model, settings.scheduler, settings.shift)
+    scheduler.set_timesteps(settings.steps, device=model.device)
+    plan = _plan(model, settings)
+    latents = initial_noise(model, cond, settings.seed)
+    dtype = model.transformer_dtype
+    timesteps = scheduler.timesteps
+    for index, t in enumerate(timesteps):
+        expert, guidance = plan.pick(model, t, settings)
+        latent_input = latents.to(dtype)
+        timestep = t.expand(latents.shape[0])
+        common = {
+            "hidden_states": latent_input,
+            "timestep": timestep,
+            "control_hidden_states": cond.conditioning_latents,
+            "control_hidden_states_scale": cond.conditioning_scale,
+            "return_dict": False,
+        }
+        with expert.cache_context("cond"):
+            noise_pred = expert(encoder_hidden_states=cond.prompt_embeds, **common)[0]
+        if guidance > 1.0:
+            with expert.cache_context("uncond"):
+                noise_uncond = expert(encoder_hidden_states=cond.negative_prompt_embeds, **common)[0]
+                noise_pred = noise_uncond + guidance * (noise_pred - noise_uncond)
+        latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
+        if callback is not None:
+            callback(index, len(timesteps), latents)
+    return latents[:, :, cond.num_reference_images :]
