@@ -1,0 +1,254 @@
+"""The shipped workflows and the WanVACE nodes inside a real ComfyUI server, driven through POST /prompt."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+from comfy_server import count_video_frames
+from safetensors.torch import load_file
+from workflow_graphs import TASKS, TINY_MODEL, build_api_workflow, for_tiny_model, nodes_of_type
+
+pytestmark = pytest.mark.integration
+
+API_DIR = Path(__file__).resolve().parents[1] / "api_workflows"
+TINY_LENGTH, TINY_STEPS = 9, 4
+
+
+def _api_twin(task: str) -> dict:
+    return json.loads((API_DIR / f"wanvace_{task}.json").read_text())
+
+
+def _node_id(workflow: dict, class_type: str) -> str:
+    (node_id,) = [key for key, node in workflow.items() if node["class_type"] == class_type]
+    return node_id
+
+
+def _with_saved_latent(workflow: dict, prefix: str) -> dict:
+    """Adds core SaveLatent after the sampler so runs can be compared bit for bit."""
+    workflow = dict(workflow)
+    sampler = _node_id(workflow, "WanVACESampler")
+    workflow["900"] = {
+        "class_type": "SaveLatent",
+        "inputs": {"samples": [sampler, 0], "filename_prefix": f"wanvace_test/{prefix}"},
+    }
+    return workflow
+
+
+def _saved_latent(result) -> torch.Tensor:
+    (path,) = [p for p in result.output_files() if p.suffix == ".latent"]
+    return load_file(str(path))["latent_tensor"]
+
+
+def _set_input(workflow: dict, class_type: str, **values) -> dict:
+    for node in nodes_of_type(workflow, class_type):
+        node["inputs"].update(values)
+    return workflow
+
+
+def _t2v(seed: int, prefix: str, **sampler_inputs) -> dict:
+    workflow = _with_saved_latent(for_tiny_model(_api_twin("t2v")), prefix)
+    return _set_input(workflow, "WanVACESampler", seed=seed, **sampler_inputs)
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_shipped_workflow_runs_and_writes_a_video(task, comfy_server):
+    workflow = for_tiny_model(_api_twin(task))
+    result = comfy_server.run_prompt(workflow, timeout=600)
+    assert result.status == "success", result.error or result.response
+
+    videos = [p for p in result.output_files() if p.suffix == ".mp4"]
+    assert len(videos) == 1 and videos[0].stat().st_size > 0
+    assert count_video_frames(videos[0]) == TINY_LENGTH
+
+    sampler = _node_id(workflow, "WanVACESampler")
+    progress = [event for event in result.progress_events() if event.get("node") == sampler]
+    assert [event["value"] for event in progress] == list(range(1, TINY_STEPS + 1))
+    assert all(event["max"] == TINY_STEPS for event in progress)
+    for class_type in ("WanVACEModelLoader", "WanVACEConditioning", "WanVACESampler", "WanVACEDecode"):
+        node_id = _node_id(workflow, class_type)
+        assert node_id in _started_nodes(result) or node_id in _cached_nodes(result)
+
+
+def _started_nodes(result) -> list[str]:
+    """Nodes ComfyUI actually ran (not served from its output cache)."""
+    return [event["node"] for event in result.events_of("executing") if event.get("node")]
+
+
+def _cached_nodes(result) -> list[str]:
+    return [node for event in result.events_of("execution_cached") for node in event.get("nodes", [])]
+
+
+def test_api_twins_are_the_shipped_graphs():
+    for task in TASKS:
+        assert _api_twin(task) == json.loads(json.dumps(build_api_workflow(task)))
+
+
+def test_server_latents_equal_diffusers_pipeline(comfy_server, comfy_base):
+    """POST /prompt through our nodes gives the diffusers WanVACEPipeline result, bit for bit."""
+    from diffusers import WanVACEPipeline
+
+    workflow = _t2v(seed=7, prefix="parity")
+    result = comfy_server.run_prompt(workflow)
+    assert result.status == "success", result.error
+    served = _saved_latent(result)
+
+    conditioning = nodes_of_type(workflow, "WanVACEConditioning")[0]["inputs"]
+    pipeline = WanVACEPipeline.from_pretrained(comfy_base / "models" / "diffusers" / TINY_MODEL, dtype=torch.bfloat16)
+    pipeline.set_progress_bar_config(disable=True)
+    latents = pipeline(
+        prompt=conditioning["positive"],
+        negative_prompt=conditioning["negative"],
+        width=conditioning["width"],
+        height=conditioning["height"],
+        num_frames=conditioning["length"],
+        num_inference_steps=TINY_STEPS,
+        guidance_scale=5.0,
+        guidance_scale_2=5.0,
+        generator=torch.Generator("cpu").manual_seed(7),
+        output_type="latent",
+    ).frames
+    vae = pipeline.vae
+    latents = latents.to(vae.dtype)
+    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1).to(latents.dtype)
+    inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1).to(latents.dtype)
+    expected = (latents / inverse_std + mean).float()
+    assert served.shape == expected.shape
+    assert torch.equal(served, expected)
+
+
+@pytest.mark.parametrize("runs", [2, 10])
+def test_consecutive_prompts_all_succeed_with_identical_results(runs, comfy_server):
+    seeds = [11 if index % 2 == 0 else 12 for index in range(runs)]
+    latents: dict[int, list[torch.Tensor]] = {11: [], 12: []}
+    for index, seed in enumerate(seeds):
+        result = comfy_server.run_prompt(_t2v(seed, prefix=f"consecutive{runs}_{index}"))
+        assert result.status == "success", (index, result.error)
+        sampler = _node_id(_t2v(seed, "x"), "WanVACESampler")
+        assert sampler in _started_nodes(result), "the sampler was served from ComfyUI's cache"
+        latents[seed].append(_saved_latent(result))
+    for seed, tensors in latents.items():
+        assert all(torch.equal(tensors[0], other) for other in tensors[1:]), seed
+    assert not torch.equal(latents[11][0], latents[12][0])
+
+
+def test_cancelled_prompt_then_next_prompt_gives_uncancelled_result(comfy_server):
+    long_run = {"steps": 120}
+    cancelled = comfy_server.run_prompt(_t2v(21, "cancel_a", **long_run), interrupt_after_progress=2)
+    assert cancelled.status == "interrupted"
+    sampler = _node_id(_t2v(21, "x"), "WanVACESampler")
+    steps_seen = [event["value"] for event in cancelled.progress_events() if event.get("node") == sampler]
+    assert steps_seen and max(steps_seen) < 120
+
+    after = comfy_server.run_prompt(_t2v(21, "cancel_b", **long_run))
+    assert after.status == "success", after.error
+    other = comfy_server.run_prompt(_t2v(22, "cancel_c", **long_run))
+    assert other.status == "success"
+    again = comfy_server.run_prompt(_t2v(21, "cancel_d", **long_run))
+    assert again.status == "success"
+    assert torch.equal(_saved_latent(after), _saved_latent(again))
+
+
+def _assert_serving(server) -> None:
+    assert requests.get(f"{server.url}/system_stats", timeout=10).status_code == 200
+    result = server.run_prompt(_t2v(int(time.time()) % 1000 + 100, "still_serving"))
+    assert result.status == "success", result.error
+
+
+@pytest.mark.parametrize(
+    ("class_type", "values", "fragment"),
+    [
+        ("WanVACEConditioning", {"length": 10}, "length=10"),
+        ("WanVACEConditioning", {"width": 72}, "width=72"),
+        ("WanVACEConditioning", {"height": 40}, "height=40"),
+        ("WanVACEConditioning", {"positive": "   "}, "positive prompt is empty"),
+        ("WanVACEModelLoader", {"model_name": "not-a-vace-pipeline"}, "FluxPipeline"),
+        ("WanVACEModelLoader", {"model_name": "wanvace-truncated"}, "truncated"),
+        ("WanVACEModelLoader", {"model_name": "does-not-exist"}, "does-not-exist"),
+        ("WanVACESampler", {"cfg": 0.5}, "cfg"),
+    ],
+)
+def test_bad_widget_inputs_are_refused_at_queue_time(class_type, values, fragment, comfy_server):
+    workflow = _set_input(for_tiny_model(_api_twin("t2v")), class_type, **values)
+    result = comfy_server.run_prompt(workflow)
+    assert result.status == "rejected"
+    node_id = _node_id(workflow, class_type)
+    errors = result.node_errors[node_id]["errors"]
+    assert any(fragment in json.dumps(error) for error in errors), errors
+    _assert_serving(comfy_server)
+
+
+def _control_graph(video_frames: int, video_size: tuple[int, int], mask_frames: int | None) -> dict:
+    workflow = for_tiny_model(_api_twin("t2v"))
+    width, height = video_size
+    workflow["800"] = {
+        "class_type": "EmptyImage",
+        "inputs": {"width": width, "height": height, "batch_size": video_frames, "color": 0x336699},
+    }
+    conditioning = nodes_of_type(workflow, "WanVACEConditioning")[0]["inputs"]
+    conditioning["control_video"] = ["800", 0]
+    if mask_frames is not None:
+        workflow["801"] = {
+            "class_type": "EmptyImage",
+            "inputs": {"width": width, "height": height, "batch_size": mask_frames, "color": 0},
+        }
+        workflow["802"] = {"class_type": "ImageToMask", "inputs": {"image": ["801", 0], "channel": "red"}}
+        conditioning["control_masks"] = ["802", 0]
+    return workflow
+
+
+@pytest.mark.parametrize(
+    ("video_frames", "video_size", "mask_frames", "fragment"),
+    [
+        (3, (64, 48), 2, "control_masks has 2 frames but control_video has 3"),
+        (3, (32, 32), None, "control_video is 32x32 but the video is 64x48"),
+        (12, (64, 48), None, "control_video has 12 frames but length=9"),
+    ],
+)
+def test_mismatched_control_inputs_fail_with_a_node_error(
+    video_frames, video_size, mask_frames, fragment, comfy_server
+):
+    workflow = _control_graph(video_frames, video_size, mask_frames)
+    result = comfy_server.run_prompt(workflow)
+    assert result.status == "error"
+    assert result.error["node_type"] == "WanVACEConditioning"
+    assert fragment in result.error["exception_message"]
+    sampler = _node_id(workflow, "WanVACESampler")
+    assert sampler not in _started_nodes(result)
+    _assert_serving(comfy_server)
+
+
+def test_valid_control_inputs_run(comfy_server):
+    result = comfy_server.run_prompt(_control_graph(3, (64, 48), 1))
+    assert result.status == "success", result.error
+
+
+def test_single_expert_wan21_folder_runs(comfy_server):
+    workflow = _set_input(for_tiny_model(_api_twin("t2v")), "WanVACEModelLoader", model_name="wanvace21-tiny")
+    result = comfy_server.run_prompt(workflow)
+    assert result.status == "success", result.error
+
+
+def test_model_stays_loaded_and_is_released_on_free(comfy_server):
+    comfy_server.run_prompt(_t2v(31, "free_a"))
+    loads_before = comfy_server.log_text().count("Loaded WanVACE pipeline")
+    result = comfy_server.run_prompt(_t2v(32, "free_b"))
+    assert result.status == "success"
+    assert comfy_server.log_text().count("Loaded WanVACE pipeline") == loads_before, "model reloaded between prompts"
+
+    releases_before = comfy_server.log_text().count("Released WanVACE pipeline")
+    comfy_server.free(unload_models=True, free_memory=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if comfy_server.log_text().count("Released WanVACE pipeline") > releases_before:
+            break
+        time.sleep(0.5)
+    assert comfy_server.log_text().count("Released WanVACE pipeline") > releases_before
+
+    result = comfy_server.run_prompt(_t2v(31, "free_c"))
+    assert result.status == "success", result.error
+    assert comfy_server.log_text().count("Loaded WanVACE pipeline") == loads_before + 1
