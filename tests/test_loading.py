@@ -82,6 +82,12 @@ def test_pickle_only_component_is_refused_and_never_opened(folder_copy):
         load_pipeline(folder_copy, "fp32")
 
 
+def test_missing_weight_file_is_refused(folder_copy):
+    (folder_copy / TRANSFORMER_FILE).unlink()
+    with pytest.raises(WanVACEModelFolderError, match=r"has no \.safetensors weights"):
+        inspect_pipeline_folder(folder_copy)
+
+
 def test_missing_component_folder_is_refused(folder_copy):
     shutil.rmtree(folder_copy / "vae")
     with pytest.raises(WanVACEModelFolderError, match="vae"):

@@ -179,3 +179,21 @@ def test_reference_images_add_latent_frames_that_are_removed_from_the_output(loa
     assert cond.num_reference_images == 2
     assert cond.conditioning_latents.shape[2] == (LENGTH - 1) // 4 + 1 + 2
     assert sample(model, cond, _settings()).shape[2] == (LENGTH - 1) // 4 + 1
+
+
+def test_conditioning_from_another_model_is_refused(loaded_models, tiny_folder, tmp_path):
+    from wanvace_core import load_pipeline
+    from wanvace_core.tiny import TinyModelSpec, write_tiny_pipeline
+
+    model = loaded_models("fp32")
+    other = load_pipeline(write_tiny_pipeline(tmp_path / "wide", TinyModelSpec(text_dim=48)), "fp32")
+    cond = prepare_conditioning(other, _inputs())
+    with pytest.raises(WanVACEInputError, match="conditioning was encoded for another model"):
+        sample(model, cond, _settings())
+
+
+def test_decode_refuses_a_latent_that_is_not_a_wan_video_latent(loaded_models):
+    from wanvace_core import decode
+
+    with pytest.raises(WanVACEInputError, match="samples has shape"):
+        decode(loaded_models("fp32"), torch.zeros(1, 4, 8, 8))

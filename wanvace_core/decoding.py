@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .errors import WanVACEInputError
 from .model import WanVACEModel
 
 
@@ -28,6 +29,12 @@ def to_vae_space(model: WanVACEModel, latents: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def decode(model: WanVACEModel, vae_latents: torch.Tensor) -> torch.Tensor:
     """Raw VAE latents `[B, C, T, h, w]` -> frames `[B*T', H, W, 3]` in `[0, 1]` (fp32)."""
+    channels = model.vae.config.z_dim
+    if vae_latents.ndim != 5 or vae_latents.shape[1] != channels:
+        raise WanVACEInputError(
+            f"samples has shape {tuple(vae_latents.shape)}; expected a Wan video latent [batch, {channels}, frames, "
+            "height/8, width/8] such as WanVACESampler's output."
+        )
     latents = vae_latents.to(model.device, model.vae.dtype)
     video = model.vae.decode(latents, return_dict=False)[0]
     frames = model.helper.video_processor.postprocess_video(video, output_type="pt")  # [B, T, C, H, W]

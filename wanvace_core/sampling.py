@@ -107,6 +107,17 @@ def initial_noise(model: WanVACEModel, cond: VACEConditioning, seed: int) -> tor
     return randn_tensor(shape, generator=generator, device=model.device, dtype=torch.float32)
 
 
+def _check_conditioning_matches(model: WanVACEModel, cond: VACEConditioning) -> None:
+    config = model.reference_expert.config
+    text_dim, control_channels = cond.prompt_embeds.shape[-1], cond.conditioning_latents.shape[1]
+    if text_dim != config.text_dim or control_channels != config.vace_in_channels:
+        raise WanVACEInputError(
+            f"conditioning was encoded for another model (text dim {text_dim}, {control_channels} control channels; "
+            f"this model has {config.text_dim} and {config.vace_in_channels}); connect the same model to "
+            "WanVACEConditioning and WanVACESampler."
+        )
+
+
 @torch.no_grad()
 def sample(
     model: WanVACEModel,
@@ -115,6 +126,7 @@ def sample(
     callback: StepCallback | None = None,
 ) -> torch.Tensor:
     """Denoises and returns normalised latents `[1, C, T, h, w]` (fp32), reference frames removed."""
+    _check_conditioning_matches(model, cond)
     scheduler = make_scheduler(model, settings.scheduler, settings.shift)
     scheduler.set_timesteps(settings.steps, device=model.device)
     plan = _plan(model, settings)

@@ -252,3 +252,18 @@ def test_model_stays_loaded_and_is_released_on_free(comfy_server):
     result = comfy_server.run_prompt(_t2v(31, "free_c"))
     assert result.status == "success", result.error
     assert comfy_server.log_text().count("Loaded WanVACE pipeline") == loads_before + 1
+
+
+def test_every_node_and_input_is_described(comfy_server):
+    info = comfy_server.object_info()
+    ours = {name: node for name, node in info.items() if name.startswith("WanVACE")}
+    assert set(ours) == {"WanVACEModelLoader", "WanVACEConditioning", "WanVACESampler", "WanVACEDecode"}
+    for name, node in ours.items():
+        assert node["description"].strip(), name
+        assert node["category"] == "WanVACE"
+        for section in ("required", "optional"):
+            for input_name, spec in node["input"].get(section, {}).items():
+                options = spec[1] if len(spec) > 1 else {}
+                assert options.get("tooltip", "").strip(), (name, input_name)
+        assert all(tooltip and tooltip.strip() for tooltip in node["output_tooltips"]), name
+    assert TINY_MODEL in info["WanVACEModelLoader"]["input"]["required"]["model_name"][1]["options"]
