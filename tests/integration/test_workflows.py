@@ -11,7 +11,7 @@ import requests
 import torch
 from comfy_server import count_video_frames
 from safetensors.torch import load_file
-from workflow_graphs import TASKS, TINY_MODEL, build_api_workflow, for_tiny_model, nodes_of_type
+from workflow_graphs import TASKS, TINY_MODEL, for_tiny_model, nodes_of_type
 
 pytestmark = pytest.mark.integration
 
@@ -81,11 +81,6 @@ def _started_nodes(result) -> list[str]:
 
 def _cached_nodes(result) -> list[str]:
     return [node for event in result.events_of("execution_cached") for node in event.get("nodes", [])]
-
-
-def test_api_twins_are_the_shipped_graphs():
-    for task in TASKS:
-        assert _api_twin(task) == json.loads(json.dumps(build_api_workflow(task)))
 
 
 def test_server_latents_equal_diffusers_pipeline(comfy_server, comfy_base):
