@@ -64,7 +64,7 @@ def main() -> None:
         result = {}
 
         def run_ours(tick):
-            result["ours"] = sample(ours, cond, settings, callback=lambda *_: tick())
+            result["ours"] = sample(ours, cond, settings, callback=lambda *_: tick()).latents
 
         def run_theirs(tick):
             def on_step(_pipe, _index, _t, kwargs):

@@ -2,6 +2,7 @@
 
 from comfy_api.latest import ComfyExtension, io
 
+from .cache import WanVACECacheOptions
 from .conditioning import WanVACEConditioning
 from .decode import WanVACEDecode
 from .loader import WanVACEModelLoader
@@ -10,4 +11,4 @@ from .sampler import WanVACESampler
 
 class WanVACEExtension(ComfyExtension):
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
-        return [WanVACEModelLoader, WanVACEConditioning, WanVACESampler, WanVACEDecode]
+        return [WanVACEModelLoader, WanVACEConditioning, WanVACESampler, WanVACEDecode, WanVACECacheOptions]

@@ -7,7 +7,7 @@ import comfy.utils
 from comfy_api.latest import io
 
 from ..wanvace_core import SCHEDULERS, SamplerSettings, sample, to_vae_space
-from .types import CATEGORY, WanVACEConditioningType, WanVACEModelType
+from .types import CATEGORY, WanVACECacheType, WanVACEConditioningType, WanVACEModelType
 
 MODEL_DEFAULT = -1.0
 
@@ -76,6 +76,11 @@ class WanVACESampler(io.ComfyNode):
                     default="unipc",
                     tooltip="unipc: UniPC multistep flow matching (the model's default). euler: flow-matching Euler.",
                 ),
+                WanVACECacheType.Input(
+                    "cache",
+                    optional=True,
+                    tooltip="Cache-DiT step caching from WanVACE Cache Options; unconnected = no caching.",
+                ),
             ],
             outputs=[io.Latent.Output(display_name="latent", tooltip="The denoised video latent.")],
         )
@@ -92,6 +97,7 @@ class WanVACESampler(io.ComfyNode):
         boundary_ratio: float,
         shift: float,
         scheduler: str,
+        cache=None,
     ) -> io.NodeOutput:
         settings = SamplerSettings(
             seed=seed,
@@ -109,5 +115,8 @@ class WanVACESampler(io.ComfyNode):
             comfy.model_management.throw_exception_if_processing_interrupted()
 
         comfy.model_management.throw_exception_if_processing_interrupted()
-        latents = sample(model, conditioning, settings, callback=on_step)
-        return io.NodeOutput({"samples": to_vae_space(model, latents).cpu()})
+        result = sample(model, conditioning, settings, callback=on_step, cache=cache)
+        latent = {"samples": to_vae_space(model, result.latents).cpu()}
+        if result.cache_report is None:
+            return io.NodeOutput(latent)
+        return io.NodeOutput(latent, ui={"text": [result.cache_report.text()]})

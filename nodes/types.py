@@ -4,5 +4,6 @@ from comfy_api.latest import io
 
 WanVACEModelType = io.Custom("WANVACE_MODEL")
 WanVACEConditioningType = io.Custom("WANVACE_COND")
+WanVACECacheType = io.Custom("WANVACE_CACHE")
 
 CATEGORY = "WanVACE"

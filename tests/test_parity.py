@@ -23,6 +23,10 @@ SEED = 1234
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
+def sample_latents(*args, **kwargs) -> torch.Tensor:
+    return sample(*args, **kwargs).latents
+
+
 @pytest.fixture(scope="module")
 def reference_pipelines(tiny_folder):
     cache = {}
@@ -89,7 +93,7 @@ def test_latents_and_frames_bitwise_equal_to_diffusers(task, dtype, boundary_rat
     cond = prepare_conditioning(model, VACEInputs(PROMPT, NEGATIVE, WIDTH, HEIGHT, LENGTH, strength=1.0, **case.ours))
     counts, handles = _count_expert_calls(model)
     try:
-        ours = sample(
+        ours = sample_latents(
             model,
             cond,
             SamplerSettings(seed=SEED, steps=STEPS, cfg=CFG, cfg_low_noise=CFG_LOW, boundary_ratio=boundary_ratio),
@@ -126,7 +130,7 @@ def test_euler_scheduler_bitwise_equal_to_diffusers(task, loaded_models, referen
     reference = reference_pipelines("fp32")
     case = build_task(task)
     cond = prepare_conditioning(model, VACEInputs(PROMPT, NEGATIVE, WIDTH, HEIGHT, LENGTH, **case.ours))
-    ours = sample(
+    ours = sample_latents(
         model,
         cond,
         SamplerSettings(seed=SEED, steps=STEPS, cfg=CFG, cfg_low_noise=CFG_LOW, shift=5.0, scheduler="euler"),
@@ -148,6 +152,6 @@ def test_single_expert_wan21_folder_bitwise_equal(tiny_single_folder):
     reference.set_progress_bar_config(disable=True)
     case = build_task("i2v")
     cond = prepare_conditioning(model, VACEInputs(PROMPT, NEGATIVE, WIDTH, HEIGHT, LENGTH, **case.ours))
-    ours = sample(model, cond, SamplerSettings(seed=SEED, steps=STEPS, cfg=CFG, cfg_low_noise=CFG))
+    ours = sample_latents(model, cond, SamplerSettings(seed=SEED, steps=STEPS, cfg=CFG, cfg_low_noise=CFG))
     their_latents, _ = _run_reference(reference, case, None)
     assert torch.equal(ours, their_latents)

@@ -10,6 +10,10 @@ from wanvace_core import SamplerSettings, VACEInputs, WanVACEInputError, prepare
 from wanvace_core.conditioning import full_length_video_and_mask
 
 
+def sample_latents(*args, **kwargs) -> torch.Tensor:
+    return sample(*args, **kwargs).latents
+
+
 def _inputs(**overrides) -> VACEInputs:
     values = {"positive": PROMPT, "negative": NEGATIVE, "width": WIDTH, "height": HEIGHT, "length": LENGTH}
     values.update(overrides)
@@ -117,7 +121,7 @@ def test_callback_reports_every_step_and_can_cancel_without_leaving_state(loaded
     model = loaded_models("fp32")
     cond = prepare_conditioning(model, _inputs(**build_task("v2v").ours))
     seen = []
-    first = sample(model, cond, _settings(steps=6), callback=lambda index, total, _latents: seen.append((index, total)))
+    first = sample_latents(model, cond, _settings(steps=6), callback=lambda i, n, _: seen.append((i, n)))
     assert seen == [(index, 6) for index in range(6)]
 
     def cancel_at_two(index, _total, _latents):
@@ -125,8 +129,8 @@ def test_callback_reports_every_step_and_can_cancel_without_leaving_state(loaded
             raise _Cancelled
 
     with pytest.raises(_Cancelled):
-        sample(model, cond, _settings(steps=6), callback=cancel_at_two)
-    assert torch.equal(sample(model, cond, _settings(steps=6)), first)
+        sample_latents(model, cond, _settings(steps=6), callback=cancel_at_two)
+    assert torch.equal(sample_latents(model, cond, _settings(steps=6)), first)
 
 
 def test_guidance_of_one_skips_the_negative_pass_per_expert(loaded_models):
@@ -139,7 +143,7 @@ def test_guidance_of_one_skips_the_negative_pass_per_expert(loaded_models):
 
     handles = [getattr(model, name).register_forward_pre_hook(counter(name)) for name in calls]
     try:
-        sample(model, cond, _settings(steps=8, cfg=1.0, cfg_low_noise=4.0))
+        sample_latents(model, cond, _settings(steps=8, cfg=1.0, cfg_low_noise=4.0))
     finally:
         for handle in handles:
             handle.remove()
@@ -151,21 +155,21 @@ def test_guidance_of_one_skips_the_negative_pass_per_expert(loaded_models):
 def test_model_defaults_are_used_for_boundary_and_shift(loaded_models):
     model = loaded_models("fp32")
     cond = prepare_conditioning(model, _inputs())
-    default = sample(model, cond, _settings(steps=6))
-    explicit = sample(model, cond, _settings(steps=6, boundary_ratio=0.875, shift=3.0))
+    default = sample_latents(model, cond, _settings(steps=6))
+    explicit = sample_latents(model, cond, _settings(steps=6, boundary_ratio=0.875, shift=3.0))
     assert torch.equal(default, explicit)
-    assert not torch.equal(default, sample(model, cond, _settings(steps=6, shift=5.0)))
-    assert not torch.equal(default, sample(model, cond, _settings(steps=6, boundary_ratio=0.5)))
+    assert not torch.equal(default, sample_latents(model, cond, _settings(steps=6, shift=5.0)))
+    assert not torch.equal(default, sample_latents(model, cond, _settings(steps=6, boundary_ratio=0.5)))
 
 
 def test_strength_changes_the_result_and_zero_ignores_the_control(loaded_models):
     model = loaded_models("fp32")
     case = build_task("v2v")
-    full = sample(model, prepare_conditioning(model, _inputs(**case.ours)), _settings())
-    half = sample(model, prepare_conditioning(model, _inputs(strength=0.5, **case.ours)), _settings())
+    full = sample_latents(model, prepare_conditioning(model, _inputs(**case.ours)), _settings())
+    half = sample_latents(model, prepare_conditioning(model, _inputs(strength=0.5, **case.ours)), _settings())
     assert not torch.equal(full, half)
-    off = sample(model, prepare_conditioning(model, _inputs(strength=0.0, **case.ours)), _settings())
-    off_other = sample(
+    off = sample_latents(model, prepare_conditioning(model, _inputs(strength=0.0, **case.ours)), _settings())
+    off_other = sample_latents(
         model,
         prepare_conditioning(model, _inputs(strength=0.0, control_video=torch.rand(LENGTH, HEIGHT, WIDTH, 3))),
         _settings(),
@@ -178,7 +182,7 @@ def test_reference_images_add_latent_frames_that_are_removed_from_the_output(loa
     cond = prepare_conditioning(model, _inputs(**build_task("r2v").ours))
     assert cond.num_reference_images == 2
     assert cond.conditioning_latents.shape[2] == (LENGTH - 1) // 4 + 1 + 2
-    assert sample(model, cond, _settings()).shape[2] == (LENGTH - 1) // 4 + 1
+    assert sample_latents(model, cond, _settings()).shape[2] == (LENGTH - 1) // 4 + 1
 
 
 def test_conditioning_from_another_model_is_refused(loaded_models, tiny_folder, tmp_path):
@@ -189,7 +193,7 @@ def test_conditioning_from_another_model_is_refused(loaded_models, tiny_folder, 
     other = load_pipeline(write_tiny_pipeline(tmp_path / "wide", TinyModelSpec(text_dim=48)), "fp32")
     cond = prepare_conditioning(other, _inputs())
     with pytest.raises(WanVACEInputError, match="conditioning was encoded for another model"):
-        sample(model, cond, _settings())
+        sample_latents(model, cond, _settings())
 
 
 def test_decode_refuses_a_latent_that_is_not_a_wan_video_latent(loaded_models):

@@ -1,5 +1,6 @@
 """ComfyUI-free core of ComfyUI-WanVACE: loading, VACE conditioning, dual-expert sampling, decoding."""
 
+from .caching import CACHE_MODES, CacheOptions, CacheReport, ExpertCacheLimits, WanVACECacheError
 from .conditioning import (
     VACEConditioning,
     VACEInputs,
@@ -13,14 +14,20 @@ from .errors import WanVACEError, WanVACEInputError, WanVACEModelFolderError
 from .folder import find_pipeline_folders, inspect_pipeline_folder
 from .loading import DTYPES, load_pipeline
 from .model import WanVACEModel
-from .sampling import SCHEDULERS, SamplerSettings, sample
+from .sampling import SCHEDULERS, SampleResult, SamplerSettings, sample
 
 __all__ = [
+    "CACHE_MODES",
     "DTYPES",
     "SCHEDULERS",
+    "CacheOptions",
+    "CacheReport",
+    "ExpertCacheLimits",
+    "SampleResult",
     "SamplerSettings",
     "VACEConditioning",
     "VACEInputs",
+    "WanVACECacheError",
     "WanVACEError",
     "WanVACEInputError",
     "WanVACEModel",

@@ -9,6 +9,7 @@ are cast to the transformer dtype for each call, as diffusers does, so results m
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
 from diffusers.utils.torch_utils import randn_tensor
 
+from .caching import CachedExperts, CacheOptions, CacheReport, ExpertRun
 from .conditioning import VACEConditioning
 from .errors import WanVACEInputError
 from .model import WanVACEModel
@@ -73,6 +75,14 @@ def make_scheduler(model: WanVACEModel, name: str, shift: float | None):
 
 
 @dataclass(frozen=True)
+class SampleResult:
+    """Normalised latents `[1, C, T, h, w]` (fp32, reference frames removed) and, with caching, what it did."""
+
+    latents: torch.Tensor
+    cache_report: CacheReport | None = None
+
+
+@dataclass(frozen=True)
 class _ExpertPlan:
     boundary_timestep: float | None
 
@@ -118,39 +128,56 @@ def _check_conditioning_matches(model: WanVACEModel, cond: VACEConditioning) -> 
         )
 
 
+def _expert_runs(model: WanVACEModel, plan: _ExpertPlan, timesteps, settings: SamplerSettings) -> list[ExpertRun]:
+    counts: dict[str, int] = {}
+    guidance: dict[str, float] = {}
+    for t in timesteps:
+        expert, scale = plan.pick(model, t, settings)
+        attribute = "transformer" if expert is model.transformer else "transformer_2"
+        counts[attribute] = counts.get(attribute, 0) + 1
+        guidance[attribute] = scale
+    return [ExpertRun(attribute, steps, guidance[attribute] > 1.0) for attribute, steps in counts.items()]
+
+
 @torch.no_grad()
 def sample(
     model: WanVACEModel,
     cond: VACEConditioning,
     settings: SamplerSettings,
     callback: StepCallback | None = None,
-) -> torch.Tensor:
-    """Denoises and returns normalised latents `[1, C, T, h, w]` (fp32), reference frames removed."""
+    cache: CacheOptions | None = None,
+) -> SampleResult:
+    """Denoises `cond` with the dual-expert loop; `cache` turns on Cache-DiT for this run only."""
     _check_conditioning_matches(model, cond)
     scheduler = make_scheduler(model, settings.scheduler, settings.shift)
     scheduler.set_timesteps(settings.steps, device=model.device)
     plan = _plan(model, settings)
+    timesteps = scheduler.timesteps
+    cached = None if cache is None else CachedExperts(model, cache, _expert_runs(model, plan, timesteps, settings))
     latents = initial_noise(model, cond, settings.seed)
     dtype = model.transformer_dtype
-    timesteps = scheduler.timesteps
-    for index, t in enumerate(timesteps):
-        expert, guidance = plan.pick(model, t, settings)
-        latent_input = latents.to(dtype)
-        timestep = t.expand(latents.shape[0])
-        common = {
-            "hidden_states": latent_input,
-            "timestep": timestep,
-            "control_hidden_states": cond.conditioning_latents,
-            "control_hidden_states_scale": cond.conditioning_scale,
-            "return_dict": False,
-        }
-        with expert.cache_context("cond"):
-            noise_pred = expert(encoder_hidden_states=cond.prompt_embeds, **common)[0]
-        if guidance > 1.0:
-            with expert.cache_context("uncond"):
-                noise_uncond = expert(encoder_hidden_states=cond.negative_prompt_embeds, **common)[0]
-                noise_pred = noise_uncond + guidance * (noise_pred - noise_uncond)
-        latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
-        if callback is not None:
-            callback(index, len(timesteps), latents)
-    return latents[:, :, cond.num_reference_images :]
+    with cached if cached is not None else contextlib.nullcontext():
+        for index, t in enumerate(timesteps):
+            expert, guidance = plan.pick(model, t, settings)
+            latent_input = latents.to(dtype)
+            timestep = t.expand(latents.shape[0])
+            common = {
+                "hidden_states": latent_input,
+                "timestep": timestep,
+                "control_hidden_states": cond.conditioning_latents,
+                "control_hidden_states_scale": cond.conditioning_scale,
+                "return_dict": False,
+            }
+            with expert.cache_context("cond"):
+                noise_pred = expert(encoder_hidden_states=cond.prompt_embeds, **common)[0]
+            if guidance > 1.0:
+                with expert.cache_context("uncond"):
+                    noise_uncond = expert(encoder_hidden_states=cond.negative_prompt_embeds, **common)[0]
+                    noise_pred = noise_uncond + guidance * (noise_pred - noise_uncond)
+            latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
+            if callback is not None:
+                callback(index, len(timesteps), latents)
+        report = cached.report() if cached is not None else None
+    if report is not None:
+        logger.info("%s", report.text())
+    return SampleResult(latents=latents[:, :, cond.num_reference_images :], cache_report=report)

@@ -1,0 +1,263 @@
+"""Step caching for both experts with cache-dit: block-level DBCache, optionally TaylorSeer-calibrated.
+
+Caching goes through cache-dit's `BlockAdapter` for the pair of transformers with the VACE patch
+functor, so every VACE hint is still added at its layer. It is enabled for one sampling run and
+released when the run ends (also on cancel), so every run starts from a fresh cache context whose
+step count is that expert's share of the steps, and nothing is left patched between runs.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import WanVACEError, WanVACEInputError
+from .model import WanVACEModel
+
+logger = logging.getLogger(__name__)
+
+CACHE_MODES = ("DBCache", "DBCache+TaylorSeer")
+EXPERT_NAMES = {"transformer": "high-noise", "transformer_2": "low-noise"}
+
+
+class WanVACECacheError(WanVACEError, RuntimeError):
+    """cache-dit could not be applied as configured; the run is refused rather than silently uncached."""
+
+
+@dataclass(frozen=True)
+class ExpertCacheLimits:
+    """Per-expert limits: the high-noise expert gets far fewer steps than the low-noise one."""
+
+    max_warmup_steps: int = 2
+    max_cached_steps: int = -1
+
+    def __post_init__(self) -> None:
+        if self.max_warmup_steps < 0:
+            raise WanVACEInputError(f"max_warmup_steps={self.max_warmup_steps} must be 0 or more.")
+        if self.max_cached_steps < -1:
+            raise WanVACEInputError(f"max_cached_steps={self.max_cached_steps} must be -1 (no limit) or 0 or more.")
+
+
+@dataclass(frozen=True)
+class CacheOptions:
+    """What the user enabled. Validated once; `check_model` checks it against a model's layers."""
+
+    mode: str = "DBCache"
+    Fn_compute_blocks: int = 1
+    Bn_compute_blocks: int = 0
+    residual_diff_threshold: float = 0.08
+    high_noise: ExpertCacheLimits = field(default_factory=ExpertCacheLimits)
+    low_noise: ExpertCacheLimits = field(default_factory=ExpertCacheLimits)
+    taylorseer_order: int = 1
+
+    def __post_init__(self) -> None:
+        if self.mode not in CACHE_MODES:
+            raise WanVACEInputError(f"mode={self.mode!r} is unknown; choose one of {', '.join(CACHE_MODES)}.")
+        if self.Fn_compute_blocks < 1:
+            raise WanVACEInputError(
+                f"Fn_compute_blocks={self.Fn_compute_blocks} must be at least 1: the first block's residual decides "
+                "whether a step is cached."
+            )
+        if self.Bn_compute_blocks < 0:
+            raise WanVACEInputError(f"Bn_compute_blocks={self.Bn_compute_blocks} must be 0 or more.")
+        if not 0.0 < self.residual_diff_threshold <= 1.0:
+            raise WanVACEInputError(
+                f"residual_diff_threshold={self.residual_diff_threshold} must lie in (0, 1]; 0.04-0.12 is typical."
+            )
+        if not 1 <= self.taylorseer_order <= 4:
+            raise WanVACEInputError(f"taylorseer_order={self.taylorseer_order} must lie in [1, 4]; 1 or 2 is typical.")
+
+    @property
+    def uses_taylorseer(self) -> bool:
+        return self.mode == "DBCache+TaylorSeer"
+
+    def check_model(self, model: WanVACEModel) -> None:
+        """Refuses block counts this model's layers cannot honour."""
+        config = model.reference_expert.config
+        num_layers, last_vace_layer = config.num_layers, max(config.vace_layers)
+        if self.Fn_compute_blocks + self.Bn_compute_blocks > num_layers:
+            raise WanVACEInputError(
+                f"Fn_compute_blocks + Bn_compute_blocks = {self.Fn_compute_blocks + self.Bn_compute_blocks} exceeds "
+                f"the model's {num_layers} blocks; lower them."
+            )
+        # On a cached step the middle blocks are skipped, so their VACE hints are never consumed; a Bn block
+        # at or before a VACE layer would then be handed the wrong hint.
+        allowed = num_layers - 1 - last_vace_layer
+        if self.Bn_compute_blocks > allowed:
+            raise WanVACEInputError(
+                f"Bn_compute_blocks={self.Bn_compute_blocks} reaches back over VACE layer {last_vace_layer} of this "
+                f"{num_layers}-block model, which would inject the wrong VACE hint; use at most {allowed}."
+            )
+
+    def limits_for(self, expert_attribute: str) -> ExpertCacheLimits:
+        return self.high_noise if expert_attribute == "transformer" else self.low_noise
+
+
+@dataclass(frozen=True)
+class ExpertRun:
+    """How one expert is used in a run: its steps and whether it runs a CFG (negative) pass."""
+
+    attribute: str
+    steps: int
+    cfg: bool
+
+
+@dataclass(frozen=True)
+class ExpertCacheReport:
+    """What cache-dit recorded for one expert during one run."""
+
+    expert: str
+    steps: int
+    cached_steps: tuple[int, ...]
+    cfg_steps: int
+    cfg_cached_steps: tuple[int, ...]
+    calibrator: str | None
+
+    @property
+    def computed_steps(self) -> int:
+        return self.steps - len(self.cached_steps)
+
+    def text(self) -> str:
+        line = f"{self.expert} expert: {self.computed_steps}/{self.steps} steps computed, "
+        line += f"{len(self.cached_steps)} cached"
+        if self.cfg_steps:
+            line += f"; CFG branch {self.cfg_steps - len(self.cfg_cached_steps)} computed, "
+            line += f"{len(self.cfg_cached_steps)} cached"
+        return line + f"; calibrator: {self.calibrator or 'none'}"
+
+
+@dataclass(frozen=True)
+class CacheReport:
+    mode: str
+    experts: tuple[ExpertCacheReport, ...]
+
+    def text(self) -> str:
+        return f"Cache-DiT {self.mode}: " + " | ".join(expert.text() for expert in self.experts)
+
+
+class CachedExperts:
+    """Context manager: cache-dit on the experts of one run, released on exit (also on errors and cancel)."""
+
+    def __init__(self, model: WanVACEModel, options: CacheOptions, runs: list[ExpertRun]) -> None:
+        options.check_model(model)
+        self.model = model
+        self.options = options
+        self.runs = [run for run in runs if run.steps > 0]
+        self._adapter = None
+
+    def _cache_config(self, run: ExpertRun):
+        from cache_dit import DBCacheConfig
+
+        limits = self.options.limits_for(run.attribute)
+        return DBCacheConfig(
+            Fn_compute_blocks=self.options.Fn_compute_blocks,
+            Bn_compute_blocks=self.options.Bn_compute_blocks,
+            residual_diff_threshold=self.options.residual_diff_threshold,
+            max_warmup_steps=limits.max_warmup_steps,
+            max_cached_steps=limits.max_cached_steps,
+            enable_separate_cfg=run.cfg,
+            num_inference_steps=run.steps,
+        )
+
+    def _calibrator_config(self):
+        if not self.options.uses_taylorseer:
+            return None
+        from cache_dit import TaylorSeerCalibratorConfig
+
+        return TaylorSeerCalibratorConfig(taylorseer_order=self.options.taylorseer_order)
+
+    def __enter__(self) -> CachedExperts:
+        import cache_dit
+        from cache_dit import BlockAdapter, DBCacheConfig, ForwardPattern, ParamsModifier
+        from cache_dit.caching.patch_functors import WanVACEPatchFunctor
+
+        experts = [getattr(self.model, run.attribute) for run in self.runs]
+        calibrator = self._calibrator_config()
+        adapter = BlockAdapter(
+            transformer=experts,
+            blocks=[expert.blocks for expert in experts],
+            forward_pattern=[ForwardPattern.Pattern_2] * len(experts),
+            patch_functor=WanVACEPatchFunctor(),
+            has_separate_cfg=True,
+            params_modifiers=[
+                ParamsModifier(cache_config=self._cache_config(run), calibrator_config=calibrator) for run in self.runs
+            ],
+        )
+        try:
+            self._adapter = cache_dit.enable_cache(
+                adapter, cache_config=DBCacheConfig(num_inference_steps=None), calibrator_config=calibrator
+            )
+        except (AssertionError, ValueError, TypeError, AttributeError) as error:
+            raise WanVACECacheError(f"cache-dit could not be applied to the WanVACE experts: {error}") from error
+        for run, expert in zip(self.runs, experts, strict=True):
+            if not getattr(expert, "_is_cached", False) or not hasattr(expert.blocks, "_forward_pattern"):
+                if any(getattr(other, "_is_cached", False) for other in experts):
+                    self.__exit__(None, None, None)
+                self._adapter = None
+                raise WanVACECacheError(
+                    f"cache-dit did not take the block-level path for the {EXPERT_NAMES[run.attribute]} expert; "
+                    "refusing to run uncached while caching was asked for."
+                )
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        if self._adapter is not None:
+            import cache_dit
+
+            cache_dit.disable_cache(self._adapter)
+            self._adapter = None
+
+    def report(self) -> CacheReport:
+        """Reads cache-dit's own statistics and checks they describe the run that happened."""
+        import cache_dit
+
+        experts = []
+        for run in self.runs:
+            stats = cache_dit.summary(getattr(self.model, run.attribute), logging=False)
+            if not stats:
+                raise WanVACECacheError(f"cache-dit recorded nothing for the {EXPERT_NAMES[run.attribute]} expert.")
+            current = stats[-1]
+            if current.accumulated_executed_steps != run.steps:
+                raise WanVACECacheError(
+                    f"cache-dit saw {current.accumulated_executed_steps} steps of the {EXPERT_NAMES[run.attribute]} "
+                    f"expert but it ran {run.steps}; its cache context is not the one this run used."
+                )
+            calibrator = current.cache_options.get("calibrator_config")
+            calibrator_name = None
+            if calibrator is not None and getattr(calibrator, "enable_calibrator", False):
+                calibrator_name = f"TaylorSeer (order {calibrator.taylorseer_order})"
+            if self.options.uses_taylorseer and calibrator_name is None:
+                raise WanVACECacheError("TaylorSeer was enabled but cache-dit did not attach its calibrator.")
+            experts.append(
+                ExpertCacheReport(
+                    expert=EXPERT_NAMES[run.attribute],
+                    steps=run.steps,
+                    cached_steps=tuple(current.cached_steps),
+                    cfg_steps=run.steps if run.cfg else 0,
+                    cfg_cached_steps=tuple(current.cfg_cached_steps) if run.cfg else (),
+                    calibrator=calibrator_name,
+                )
+            )
+        return CacheReport(mode=self.options.mode, experts=tuple(experts))
+
+
+def expected_block_calls(report: CacheReport, options: CacheOptions, num_layers: int) -> dict[str, int]:
+    """Main-block calls per expert implied by a report: full passes run every block, cached ones Fn + Bn."""
+    calls = {}
+    for expert in report.experts:
+        passes = expert.steps + expert.cfg_steps
+        cached = len(expert.cached_steps) + len(expert.cfg_cached_steps)
+        calls[expert.expert] = (passes - cached) * num_layers + cached * (
+            options.Fn_compute_blocks + options.Bn_compute_blocks
+        )
+    return calls
+
+
+def psnr(reference: torch.Tensor, other: torch.Tensor) -> float:
+    """Peak signal-to-noise ratio of `other` against `reference`, in dB, peak = max |reference|."""
+    mse = torch.mean((reference.float() - other.float()) ** 2)
+    if mse == 0:
+        return float("inf")
+    return float(10 * torch.log10(reference.float().abs().max() ** 2 / mse))
