@@ -19,14 +19,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "tests"), str(REPO)]
 
 from comfy_server import ComfyServer, count_video_frames, write_example_inputs  # noqa: E402
-from workflow_graphs import TASKS, TINY_MODEL, for_tiny_model  # noqa: E402
+from workflow_graphs import TINY_MODEL, WORKFLOWS, for_tiny_model  # noqa: E402
 
 from wanvace_core.tiny import write_tiny_pipeline  # noqa: E402
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--task", choices=TASKS, default="t2v")
+    parser.add_argument("--task", choices=WORKFLOWS, default="t2v")
     parser.add_argument("--base-dir", type=Path, default=REPO / ".cache" / "demo")
     args = parser.parse_args()
 

@@ -1,6 +1,6 @@
 """Regenerate the shipped workflows from `tests/workflow_graphs.py`.
 
-Writes, for every task in TASKS:
+Writes, for every task in WORKFLOWS:
 
 * `tests/api_workflows/wanvace_<task>.json`: the API-format graph (what `/prompt` takes);
 * `workflows/wanvace_<task>.json`: the same graph in the graph editor's UI (litegraph) format,
@@ -42,7 +42,7 @@ for _p in (str(TESTS_DIR), str(REPO_ROOT)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from workflow_graphs import TASKS, build_api_workflow  # noqa: E402
+from workflow_graphs import WORKFLOWS, build_api_workflow  # noqa: E402
 
 API_DIR = TESTS_DIR / "api_workflows"
 UI_DIR = REPO_ROOT / "workflows"
@@ -364,7 +364,7 @@ def fetch_object_info() -> dict:
 def expected_files(object_info: dict | None) -> dict[Path, str]:
     """path -> text of every generated file; without object_info only the API twins."""
     files: dict[Path, str] = {}
-    for task in TASKS:
+    for task in WORKFLOWS:
         api = build_api_workflow(task)
         files[api_path(task)] = dumps(api)
         if object_info is not None:

@@ -28,6 +28,9 @@ TASK_PROMPTS = {
     "extension": "the video continues naturally from its first frames",
 }
 TASKS = tuple(TASK_PROMPTS)
+CACHE_VARIANT = "_cache"
+# Every shipped workflow: one per task, plus variants with the Cache-DiT node.
+WORKFLOWS = (*TASKS, "v2v" + CACHE_VARIANT)
 
 # Widget values that scale with the video size, and what they become for the tiny model.
 _TINY_VALUES = {
@@ -80,10 +83,11 @@ def _keep_mask(graph: _Graph) -> str:
     return graph.add("SolidMask", "keep given frames", value=0.0, width=WIDTH, height=HEIGHT)
 
 
-def build_api_workflow(task: str) -> dict:
-    """The API-format graph of one task's shipped workflow."""
-    if task not in TASK_PROMPTS:
-        raise KeyError(f"unknown task {task!r}; one of {', '.join(TASKS)}")
+def build_api_workflow(name: str) -> dict:
+    """The API-format graph of one shipped workflow (a task, optionally with the `_cache` variant)."""
+    if name not in WORKFLOWS:
+        raise KeyError(f"unknown workflow {name!r}; one of {', '.join(WORKFLOWS)}")
+    task = name.removesuffix(CACHE_VARIANT)
     graph = _Graph()
     loader = graph.add("WanVACEModelLoader", model_name=REAL_MODEL, dtype="bf16")
     optional: dict = {}
@@ -155,6 +159,21 @@ def build_api_workflow(task: str) -> dict:
         strength=1.0,
         **optional,
     )
+    cache = {}
+    if name.endswith(CACHE_VARIANT):
+        cache_options = graph.add(
+            "WanVACECacheOptions",
+            mode="DBCache+TaylorSeer",
+            Fn_compute_blocks=1,
+            Bn_compute_blocks=0,
+            residual_diff_threshold=0.08,
+            max_warmup_steps=2,
+            max_cached_steps=-1,
+            low_noise_max_warmup_steps=2,
+            low_noise_max_cached_steps=-1,
+            taylorseer_order=1,
+        )
+        cache["cache"] = _out(cache_options)
     sampler = graph.add(
         "WanVACESampler",
         model=_out(loader),
@@ -166,10 +185,11 @@ def build_api_workflow(task: str) -> dict:
         boundary_ratio=-1.0,
         shift=0.0,
         scheduler="unipc",
+        **cache,
     )
     frames = graph.add("WanVACEDecode", model=_out(loader), samples=_out(sampler))
     video = graph.add("CreateVideo", images=_out(frames), fps=16.0)
-    graph.add("SaveVideo", video=_out(video), filename_prefix=f"WanVACE/{task}", format="auto", codec="auto")
+    graph.add("SaveVideo", video=_out(video), filename_prefix=f"WanVACE/{name}", format="auto", codec="auto")
     return graph.nodes
 
 

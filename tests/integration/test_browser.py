@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from comfy_server import PACKAGE_DIR_NAME, REPO_ROOT, check_workflows_in_browser
-from workflow_graphs import TASKS, build_api_workflow
+from workflow_graphs import WORKFLOWS, build_api_workflow
 
 pytestmark = pytest.mark.integration
 
@@ -75,14 +75,14 @@ def _comparable(prompt: dict, from_frontend: bool) -> str:
 # --- without a browser -------------------------------------------------------
 
 
-@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("task", WORKFLOWS)
 def test_api_twin_matches_graph_builder(task):
     assert _api_file(task).read_text(encoding="utf-8") == make_workflows.dumps(build_api_workflow(task)), (
         f"{_api_file(task).name} is stale; run `.venv/bin/python scripts/make_workflows.py`"
     )
 
 
-@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("task", WORKFLOWS)
 def test_ui_workflow_matches_converter(comfy_server, task):
     ui = make_workflows.api_to_ui(build_api_workflow(task), comfy_server.object_info())
     assert _ui_file(task).read_text(encoding="utf-8") == make_workflows.dumps(ui), (
@@ -91,9 +91,9 @@ def test_ui_workflow_matches_converter(comfy_server, task):
 
 
 def test_workflows_dir_holds_the_tasks_with_registered_nodes_only(comfy_server):
-    assert sorted(p.name for p in WORKFLOWS_DIR.iterdir()) == sorted(_ui_file(t).name for t in TASKS)
+    assert sorted(p.name for p in WORKFLOWS_DIR.iterdir()) == sorted(_ui_file(t).name for t in WORKFLOWS)
     registered = set(comfy_server.object_info())
-    for task in TASKS:
+    for task in WORKFLOWS:
         wf = json.loads(_ui_file(task).read_text(encoding="utf-8"))
         types = {node["type"] for node in wf["nodes"]}
         assert types <= registered, f"{task}: node types unknown to the server: {sorted(types - registered)}"
@@ -103,16 +103,16 @@ def test_workflows_are_listed_as_templates(comfy_server):
     r = comfy_server.get("/api/workflow_templates")
     r.raise_for_status()
     listed = r.json()
-    assert sorted(listed.get(PACKAGE_DIR_NAME, [])) == sorted(f"wanvace_{t}" for t in TASKS), listed
+    assert sorted(listed.get(PACKAGE_DIR_NAME, [])) == sorted(f"wanvace_{t}" for t in WORKFLOWS), listed
     # The template browser then fetches each file from the package's static route.
-    for task in TASKS:
+    for task in WORKFLOWS:
         served = comfy_server.get(f"/api/workflow_templates/{PACKAGE_DIR_NAME}/wanvace_{task}.json")
         served.raise_for_status()
         assert served.json() == json.loads(_ui_file(task).read_text(encoding="utf-8"))
 
 
 def test_ui_workflow_layout_has_no_overlaps():
-    for task in TASKS:
+    for task in WORKFLOWS:
         nodes = json.loads(_ui_file(task).read_text(encoding="utf-8"))["nodes"]
         # pos is the body's top-left; the title bar sits above it.
         boxes = {
@@ -131,14 +131,14 @@ def test_ui_workflow_layout_has_no_overlaps():
 @pytest.fixture(scope="module")
 def browser_results(comfy_server, tmp_path_factory) -> dict[str, dict]:
     report = tmp_path_factory.mktemp("browser") / "check_workflows.json"
-    results = check_workflows_in_browser(comfy_server.url, [_ui_file(t) for t in TASKS], report)
+    results = check_workflows_in_browser(comfy_server.url, [_ui_file(t) for t in WORKFLOWS], report)
     by_task = {Path(r["file"]).stem.removeprefix("wanvace_"): r for r in results}
-    assert sorted(by_task) == sorted(TASKS)
+    assert sorted(by_task) == sorted(WORKFLOWS)
     return by_task
 
 
 @pytest.mark.browser
-@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("task", WORKFLOWS)
 def test_workflow_loads_cleanly(browser_results, task):
     res = browser_results[task]
     assert res["load_error"] is None, res["load_error"]
@@ -150,7 +150,7 @@ def test_workflow_loads_cleanly(browser_results, task):
 
 
 @pytest.mark.browser
-@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("task", WORKFLOWS)
 def test_graph_to_prompt_equals_api_twin(browser_results, task):
     queued = browser_results[task]["api_prompt"]
     assert queued, f"graphToPrompt gave nothing: {browser_results[task]['load_error']}"

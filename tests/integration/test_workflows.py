@@ -11,7 +11,7 @@ import requests
 import torch
 from comfy_server import count_video_frames
 from safetensors.torch import load_file
-from workflow_graphs import TASKS, TINY_MODEL, for_tiny_model, nodes_of_type
+from workflow_graphs import TINY_MODEL, WORKFLOWS, for_tiny_model, nodes_of_type
 
 pytestmark = pytest.mark.integration
 
@@ -55,7 +55,7 @@ def _t2v(seed: int, prefix: str, **sampler_inputs) -> dict:
     return _set_input(workflow, "WanVACESampler", seed=seed, **sampler_inputs)
 
 
-@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("task", WORKFLOWS)
 def test_shipped_workflow_runs_and_writes_a_video(task, comfy_server):
     workflow = for_tiny_model(_api_twin(task))
     result = comfy_server.run_prompt(workflow, timeout=600)
@@ -252,7 +252,13 @@ def test_model_stays_loaded_and_is_released_on_free(comfy_server):
 def test_every_node_and_input_is_described(comfy_server):
     info = comfy_server.object_info()
     ours = {name: node for name, node in info.items() if name.startswith("WanVACE")}
-    assert set(ours) == {"WanVACEModelLoader", "WanVACEConditioning", "WanVACESampler", "WanVACEDecode"}
+    assert set(ours) == {
+        "WanVACEModelLoader",
+        "WanVACEConditioning",
+        "WanVACESampler",
+        "WanVACEDecode",
+        "WanVACECacheOptions",
+    }
     for name, node in ours.items():
         assert node["description"].strip(), name
         assert node["category"] == "WanVACE"
