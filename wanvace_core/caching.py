@@ -137,6 +137,36 @@ class CacheReport:
         return f"Cache-DiT {self.mode}: " + " | ".join(expert.text() for expert in self.experts)
 
 
+_FUNCTOR_MARKS = ("_is_patched",)
+_FUNCTOR_BLOCK_MARKS = ("_i", "_vace_layers")
+
+
+@dataclass
+class _ForwardSnapshot:
+    """Instance-level forwards of an expert and its blocks before cache-dit's VACE patch functor ran."""
+
+    expert: torch.nn.Module
+    forward: object
+    block_forwards: list
+
+    @classmethod
+    def take(cls, expert: torch.nn.Module) -> _ForwardSnapshot:
+        return cls(expert, expert.__dict__.get("forward"), [block.__dict__.get("forward") for block in expert.blocks])
+
+    def restore(self) -> None:
+        modules = [(self.expert, self.forward, _FUNCTOR_MARKS)]
+        modules += [
+            (block, forward, _FUNCTOR_BLOCK_MARKS)
+            for block, forward in zip(self.expert.blocks, self.block_forwards, strict=True)
+        ]
+        for module, forward, marks in modules:
+            module.__dict__.pop("forward", None)
+            if forward is not None:
+                module.forward = forward
+            for mark in marks:
+                module.__dict__.pop(mark, None)
+
+
 class CachedExperts:
     """Context manager: cache-dit on the experts of one run, released on exit (also on errors and cancel)."""
 
@@ -146,6 +176,7 @@ class CachedExperts:
         self.options = options
         self.runs = [run for run in runs if run.steps > 0]
         self._adapter = None
+        self._saved_forwards: list[_ForwardSnapshot] = []
 
     def _cache_config(self, run: ExpertRun):
         from cache_dit import DBCacheConfig
@@ -174,6 +205,7 @@ class CachedExperts:
         from cache_dit.caching.patch_functors import WanVACEPatchFunctor
 
         experts = [getattr(self.model, run.attribute) for run in self.runs]
+        self._saved_forwards = [_ForwardSnapshot.take(expert) for expert in experts]
         calibrator = self._calibrator_config()
         adapter = BlockAdapter(
             transformer=experts,
@@ -208,6 +240,11 @@ class CachedExperts:
 
             cache_dit.disable_cache(self._adapter)
             self._adapter = None
+        # disable_cache leaves the VACE patch functor's forwards in place (it computes every hint up front);
+        # put our interleaved forwards back so uncached runs keep their lower activation peak.
+        for snapshot in self._saved_forwards:
+            snapshot.restore()
+        self._saved_forwards = []
 
     def report(self) -> CacheReport:
         """Reads cache-dit's own statistics and checks they describe the run that happened."""

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from .interleave import apply_interleaved_vace
+
 logger = logging.getLogger(__name__)
 
 _PROMPT_CACHE_SIZE = 16
@@ -44,6 +46,8 @@ class WanVACEModel:
     _helper: object = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        for expert in self.experts:
+            apply_interleaved_vace(expert)
         weakref.finalize(self, _log_release, str(self.source))
 
     @property
