@@ -14,15 +14,18 @@ from .errors import WanVACEError, WanVACEInputError, WanVACEModelFolderError
 from .folder import find_pipeline_folders, inspect_pipeline_folder
 from .loading import DTYPES, load_pipeline
 from .model import WanVACEModel
+from .offload import OFFLOAD_MODES, OffloadOptions, attach_offload
 from .sampling import SCHEDULERS, SampleResult, SamplerSettings, sample
 
 __all__ = [
     "CACHE_MODES",
     "DTYPES",
+    "OFFLOAD_MODES",
     "SCHEDULERS",
     "CacheOptions",
     "CacheReport",
     "ExpertCacheLimits",
+    "OffloadOptions",
     "SampleResult",
     "SamplerSettings",
     "VACEConditioning",
@@ -32,6 +35,7 @@ __all__ = [
     "WanVACEInputError",
     "WanVACEModel",
     "WanVACEModelFolderError",
+    "attach_offload",
     "decode",
     "find_pipeline_folders",
     "inspect_pipeline_folder",

@@ -166,6 +166,7 @@ def prepare_conditioning(model: WanVACEModel, inputs: VACEInputs) -> VACEConditi
     if inputs.reference_images is not None:
         references = _reference_canvases(model, inputs.reference_images, inputs.height, inputs.width)
 
+    model.offload.activate("vae")
     latents = pipeline.prepare_video_latents(video, mask, [references], None, model.device)
     packed_mask = pipeline.prepare_masks(mask, [references], None)
     conditioning_latents = torch.cat([latents, packed_mask], dim=1).to(model.transformer_dtype)

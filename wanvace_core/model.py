@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from .interleave import apply_interleaved_vace
+from .offload import NoOffload
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ class WanVACEModel:
     _prompt_cache: OrderedDict = field(default_factory=OrderedDict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _helper: object = field(default=None, repr=False)
+    offload: object = field(default_factory=lambda: NoOffload(), repr=False)
 
     def __post_init__(self) -> None:
         for expert in self.experts:
@@ -115,6 +117,7 @@ class WanVACEModel:
             if cached is not None:
                 self._prompt_cache.move_to_end(text)
                 return cached
+        self.offload.activate("text_encoder")
         embeds = self.helper._get_t5_prompt_embeds(
             prompt=text, max_sequence_length=self.max_sequence_length, device=self.device
         ).to(self.transformer_dtype)

@@ -1,0 +1,152 @@
+"""Offload logic on the CPU: bitwise-equal results, execution-order streaming, bounded residency, full coverage."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH, build_task
+from wanvace_core import (
+    CacheOptions,
+    ExpertCacheLimits,
+    OffloadOptions,
+    SamplerSettings,
+    VACEInputs,
+    WanVACEError,
+    WanVACEInputError,
+    attach_offload,
+    decode,
+    load_pipeline,
+    prepare_conditioning,
+    sample,
+    to_vae_space,
+)
+from wanvace_core.interleave import execution_order
+from wanvace_core.offload import COMPONENTS, Offloader, SynchronousTransfer
+
+SETTINGS = SamplerSettings(seed=9, steps=6, cfg=5.0, cfg_low_noise=4.0)
+
+
+def _run(model, cache=None):
+    cond = prepare_conditioning(model, VACEInputs(PROMPT, NEGATIVE, WIDTH, HEIGHT, LENGTH, **build_task("v2v").ours))
+    result = sample(model, cond, SETTINGS, cache=cache)
+    return result.latents, decode(model, to_vae_space(model, result.latents))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_folder):
+    return _run(load_pipeline(tiny_folder, "fp32"))
+
+
+def _offloaded(tiny_folder, **options):
+    model = load_pipeline(tiny_folder, "fp32")
+    attach_offload(model, OffloadOptions(**options), SynchronousTransfer())
+    return model
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"mode": "model"},
+        {"mode": "layerwise", "prefetch_blocks": 0},
+        {"mode": "layerwise", "prefetch_blocks": 1},
+        {"mode": "layerwise", "prefetch_blocks": 3},
+    ],
+)
+def test_offload_modes_give_bitwise_equal_latents_and_frames(options, tiny_folder, reference):
+    model = _offloaded(tiny_folder, **options)
+    latents, frames = _run(model)
+    assert torch.equal(latents, reference[0])
+    assert torch.equal(frames, reference[1])
+    model.offload.release_all()
+    assert model.offload.device_bytes() == 0
+
+
+def test_model_mode_runs_one_component_at_a_time_in_pipeline_order(tiny_folder):
+    model = _offloaded(tiny_folder, mode="model")
+    _run(model)
+    onloads = [event.unit for event in model.offload.events if event.kind == "onload"]
+    assert onloads == ["text_encoder", "vae", "transformer", "transformer_2", "vae"]
+    assert all(len(event.resident) <= 1 for event in model.offload.events)
+    assert model.offload.active == "vae"
+    assert model.offload.device_bytes() == model.offload.units["vae"].nbytes
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_layerwise_streams_blocks_in_execution_order_with_bounded_residency(prefetch, tiny_folder):
+    model = _offloaded(tiny_folder, mode="layerwise", prefetch_blocks=prefetch)
+    _run(model)
+    events = model.offload.events
+    order = execution_order(model.transformer)
+    assert order[:3] == ["vace_blocks.0", "blocks.0", "blocks.1"]
+    for expert in ("transformer", "transformer_2"):
+        blocks = [event for event in events if event.unit.startswith(expert + ".")]
+        onloads = [event.unit.removeprefix(expert + ".") for event in blocks if event.kind == "onload"]
+        passes = len(onloads) // len(order)
+        assert passes >= 2 and onloads == order * passes
+        for event in blocks:
+            resident = [name for name in event.resident if name.startswith(expert + ".")]
+            assert len(resident) <= prefetch + 1
+        # Each block goes back right after it ran: offloads follow the same order.
+        offloads = [event.unit.removeprefix(expert + ".") for event in blocks if event.kind == "offload"]
+        assert offloads == order * passes
+    # The two experts' non-block weights are never resident together.
+    assert all(not {"transformer", "transformer_2"} <= set(event.resident) for event in events)
+
+
+def test_layerwise_with_cache_skips_blocks_keeps_the_bound_and_the_result(tiny_folder):
+    eager = ExpertCacheLimits(max_warmup_steps=1)
+    cache = CacheOptions(residual_diff_threshold=0.2, high_noise=eager, low_noise=eager)
+    expected = _run(load_pipeline(tiny_folder, "fp32"), cache=cache)
+    model = _offloaded(tiny_folder, mode="layerwise", prefetch_blocks=1)
+    latents, frames = _run(model, cache=cache)
+    assert torch.equal(latents, expected[0]) and torch.equal(frames, expected[1])
+    for expert in ("transformer", "transformer_2"):
+        for event in model.offload.events:
+            assert len([name for name in event.resident if name.startswith(expert + ".")]) <= 2
+
+
+@pytest.mark.parametrize("mode", ["model", "layerwise"])
+def test_every_parameter_of_every_component_is_covered(mode, tiny_folder):
+    model = _offloaded(tiny_folder, mode=mode)
+    expected = {id(param) for name in COMPONENTS for param in getattr(model, name).parameters()}
+    assert model.offload.covered_parameters() == expected
+
+
+def test_a_block_list_the_offloader_does_not_know_is_refused(tiny_folder):
+    model = load_pipeline(tiny_folder, "fp32")
+    model.transformer.extra_blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4)])
+    components = {name: getattr(model, name) for name in COMPONENTS}
+    with pytest.raises(WanVACEError, match="extra_blocks"):
+        Offloader(components, OffloadOptions(mode="layerwise"), SynchronousTransfer())
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"mode": "sequential"}, "mode='sequential'"),
+        ({"prefetch_blocks": -1}, "prefetch_blocks=-1"),
+        ({"max_pinned_mb": -5}, "max_pinned_mb=-5"),
+    ],
+)
+def test_invalid_offload_options_are_refused(options, message):
+    with pytest.raises(WanVACEInputError, match=message):
+        OffloadOptions(**options)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode", ["model", "layerwise"])
+def test_cuda_offload_matches_none_and_keeps_weights_off_the_device(mode, tiny_folder):
+    from wanvace_core.offload import make_transfer
+
+    on_device = load_pipeline(tiny_folder, "bf16", device="cuda")
+    expected = _run(on_device)
+    del on_device
+    model = load_pipeline(tiny_folder, "bf16", device="cpu")
+    model.device = torch.device("cuda")
+    options = OffloadOptions(mode=mode, prefetch_blocks=1)
+    components = {name: getattr(model, name) for name in COMPONENTS}
+    attach_offload(model, options, make_transfer(options, model.device, components))
+    latents, frames = _run(model)
+    assert torch.equal(latents.cpu(), expected[0].cpu()) and torch.equal(frames, expected[1])

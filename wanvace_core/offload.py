@@ -1,0 +1,395 @@
+"""Where weights live while a pipeline runs: all on the device, one component at a time, or block by block.
+
+- `none`: every component is on the compute device.
+- `model`: a component moves to the device only while it runs (text encoder, then the high-noise
+  expert, then the low-noise expert, then the VAE); activating one sends the previous one back, so
+  two experts are never on the device together.
+- `layerwise`: like `model` for the text encoder and VAE; an expert's small non-block weights move
+  with it, while its blocks stream in just before they run, `prefetch_blocks` ahead, in the order the
+  forward runs them (`vace_blocks.k` interleaved before `blocks.vace_layers[k]`), and go back right
+  after.
+
+The copying sits behind `Transfer`: `SynchronousTransfer` copies on the calling thread (CPU, and the
+reference for tests); `CudaStreamTransfer` stages blocks through a bounded ring of pinned buffers
+and copies them on a side stream. Everything else (what is resident, when, in which order, what is
+freed) is ordinary Python, tested on the CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from .errors import WanVACEError, WanVACEInputError
+from .interleave import execution_order
+
+logger = logging.getLogger(__name__)
+
+OFFLOAD_MODES = ("none", "model", "layerwise")
+COMPONENTS = ("text_encoder", "transformer", "transformer_2", "vae")
+EXPERTS = ("transformer", "transformer_2")
+
+# Model facts: the block lists of each streamed model class. A model with a parameter-holding
+# ModuleList not named here is refused rather than left resident.
+BLOCK_LISTS: dict[str, tuple[str, ...]] = {"WanVACETransformer3DModel": ("vace_blocks", "blocks")}
+
+
+@dataclass(frozen=True)
+class OffloadOptions:
+    """How weights move between host memory and the compute device. Validated once."""
+
+    mode: str = "none"
+    prefetch_blocks: int = 1
+    max_pinned_mb: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in OFFLOAD_MODES:
+            raise WanVACEInputError(f"mode={self.mode!r} is unknown; choose one of {', '.join(OFFLOAD_MODES)}.")
+        if not 0 <= self.prefetch_blocks <= 16:
+            raise WanVACEInputError(f"prefetch_blocks={self.prefetch_blocks} must lie in [0, 16]; 1-2 is typical.")
+        if self.max_pinned_mb < 0:
+            raise WanVACEInputError(f"max_pinned_mb={self.max_pinned_mb} must be 0 (automatic) or positive.")
+
+
+def block_lists_of(module: torch.nn.Module) -> tuple[str, ...]:
+    try:
+        return BLOCK_LISTS[type(module).__name__]
+    except KeyError as error:
+        raise WanVACEError(
+            f"Layerwise offload does not know the block lists of {type(module).__name__}; "
+            "declare them in wanvace_core.offload.BLOCK_LISTS."
+        ) from error
+
+
+def undeclared_block_lists(module: torch.nn.Module) -> list[str]:
+    """Parameter-holding ModuleLists of `module` that the declared block lists miss."""
+    declared = set(block_lists_of(module))
+    return [
+        name
+        for name, child in module.named_children()
+        if isinstance(child, torch.nn.ModuleList) and name not in declared and any(True for _ in child.parameters())
+    ]
+
+
+class Unit:
+    """A set of tensors that moves as one: a block, a component, or an expert's non-block weights."""
+
+    def __init__(self, name: str, tensors: Iterable[tuple[torch.nn.Module, str, bool]]) -> None:
+        self.name = name
+        self.slots = list(tensors)
+        self.host = [self._get(module, attr, is_param) for module, attr, is_param in self.slots]
+        self.nbytes = sum(tensor.numel() * tensor.element_size() for tensor in self.host)
+
+    @staticmethod
+    def _get(module: torch.nn.Module, attr: str, is_param: bool) -> torch.Tensor:
+        return (module._parameters if is_param else module._buffers)[attr].data
+
+    def bind(self, tensors: list[torch.Tensor]) -> None:
+        for (module, attr, is_param), tensor in zip(self.slots, tensors, strict=True):
+            if is_param:
+                module._parameters[attr].data = tensor
+            else:
+                module._buffers[attr] = tensor
+
+    def unbind(self) -> None:
+        self.bind(self.host)
+
+    @classmethod
+    def of_module(cls, name: str, module: torch.nn.Module, skip: tuple[str, ...] = ()) -> Unit:
+        """Every parameter and buffer of `module` outside the child modules named in `skip`."""
+        slots = []
+        for module_name, submodule in module.named_modules():
+            if any(module_name == prefix or module_name.startswith(prefix + ".") for prefix in skip):
+                continue
+            slots += [(submodule, attr, True) for attr, value in submodule._parameters.items() if value is not None]
+            slots += [(submodule, attr, False) for attr, value in submodule._buffers.items() if value is not None]
+        return cls(name, slots)
+
+
+class Transfer(Protocol):
+    """Copies a unit's host tensors to the compute device."""
+
+    device: torch.device
+
+    def begin(self, unit: Unit) -> object:
+        """Starts copying; returns a handle for `finish`."""
+
+    def finish(self, unit: Unit, handle: object) -> list[torch.Tensor]:
+        """Waits for the copy; returns device tensors ready for the compute stream."""
+
+
+def _copy_keeping_alignment(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU copy at the same address offset modulo 64 as `tensor`.
+
+    CPU GEMM kernels pick their code path by operand alignment, so a copy at another alignment can
+    round differently; keeping the offset keeps CPU results bitwise equal to the uncopied weights.
+    """
+    size = tensor.numel() * tensor.element_size()
+    buffer = torch.empty(size + 64, dtype=torch.uint8)
+    shift = (tensor.data_ptr() - buffer.data_ptr()) % 64
+    copy = buffer[shift : shift + size].view(tensor.dtype).view(tensor.shape)
+    return copy.copy_(tensor)
+
+
+@dataclass
+class SynchronousTransfer:
+    """Copies on the calling thread. On the CPU it makes real copies, so residency is observable."""
+
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    def begin(self, unit: Unit) -> object:
+        if self.device.type == "cpu":
+            return [_copy_keeping_alignment(tensor.contiguous()) for tensor in unit.host]
+        return [tensor.to(self.device, copy=True) for tensor in unit.host]
+
+    def finish(self, unit: Unit, handle: object) -> list[torch.Tensor]:
+        return handle
+
+
+class CudaStreamTransfer:
+    """Stages blocks through a ring of pinned host buffers and copies them on a side CUDA stream.
+
+    Host tensors may be memory-mapped; only the ring is pinned, so pinned memory stays bounded by
+    `slots x slot_bytes` whatever the model size. Units larger than a slot (whole components) are
+    copied synchronously from pageable memory.
+    """
+
+    def __init__(self, device: torch.device, slots: int, slot_bytes: int) -> None:
+        if torch.device(device).type != "cuda":
+            raise WanVACEError(f"CudaStreamTransfer needs a CUDA device, got {device}.")
+        self.device = torch.device(device)
+        self.stream = torch.cuda.Stream(device=self.device)
+        self.slot_bytes = slot_bytes
+        self.ring = [torch.empty(slot_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(slots)]
+        self.ready = [None] * slots
+        self.next_slot = 0
+
+    def begin(self, unit: Unit) -> object:
+        if unit.nbytes > self.slot_bytes:
+            return [tensor.to(self.device) for tensor in unit.host]
+        slot = self.next_slot
+        self.next_slot = (slot + 1) % len(self.ring)
+        if self.ready[slot] is not None:
+            self.ready[slot].synchronize()  # the previous copy out of this buffer must be done
+        staging, offset, device_tensors = self.ring[slot], 0, []
+        with torch.cuda.stream(self.stream):
+            for tensor in unit.host:
+                size = tensor.numel() * tensor.element_size()
+                alignment = 64
+                offset = (offset + alignment - 1) // alignment * alignment
+                pinned = staging[offset : offset + size].view(tensor.dtype).view(tensor.shape)
+                pinned.copy_(tensor)
+                device_tensors.append(pinned.to(self.device, non_blocking=True))
+                offset += size
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        self.ready[slot] = event
+        return device_tensors, event
+
+    def finish(self, unit: Unit, handle: object) -> list[torch.Tensor]:
+        if isinstance(handle, list):
+            return handle
+        device_tensors, event = handle
+        compute = torch.cuda.current_stream(self.device)
+        compute.wait_event(event)
+        for tensor in device_tensors:
+            tensor.record_stream(compute)
+        return device_tensors
+
+
+@dataclass
+class OffloadEvent:
+    kind: str  # "onload" or "offload"
+    unit: str
+    resident: tuple[str, ...]
+
+
+class _BlockStreamer:
+    """Streams one expert's blocks in execution order with a fixed prefetch window."""
+
+    def __init__(self, owner: Offloader, expert_name: str, expert: torch.nn.Module) -> None:
+        self.owner = owner
+        self.order = execution_order(expert)
+        self.position = {name: index for index, name in enumerate(self.order)}
+        self.units = {name: Unit.of_module(f"{expert_name}.{name}", expert.get_submodule(name)) for name in self.order}
+        self.pending: dict[str, object] = {}
+        self.bound: set[str] = set()
+        self.handles = [expert.register_forward_pre_hook(self._forward_start)]
+        self.handles.append(expert.register_forward_hook(self._forward_end))
+        for name in self.order:
+            block = expert.get_submodule(name)
+            self.handles.append(block.register_forward_pre_hook(lambda *_, _name=name: self.before_block(_name)))
+            self.handles.append(block.register_forward_hook(lambda *_, _name=name: self.after_block(_name)))
+
+    @property
+    def resident(self) -> set[str]:
+        return set(self.pending) | self.bound
+
+    def _prefetch(self, names: list[str]) -> None:
+        for name in names:
+            if name not in self.resident:
+                self.pending[name] = self.owner.transfer.begin(self.units[name])
+                self.owner.record("onload", self.units[name].name)
+
+    def _window(self, name: str) -> list[str]:
+        start = self.position[name]
+        return self.order[start + 1 : start + 1 + self.owner.options.prefetch_blocks]
+
+    def _forward_start(self, *_args) -> None:
+        self._prefetch(self.order[: self.owner.options.prefetch_blocks])
+
+    def before_block(self, name: str) -> None:
+        keep = {name, *self._window(name)}
+        for stale in sorted(self.resident - keep):  # blocks a cache skipped, prefetched for nothing
+            self.release(stale)
+        if name not in self.bound:
+            if name not in self.pending:
+                self._prefetch([name])
+            unit = self.units[name]
+            unit.bind(self.owner.transfer.finish(unit, self.pending.pop(name)))
+            self.bound.add(name)
+        self._prefetch(self._window(name))
+
+    def after_block(self, name: str) -> None:
+        self.release(name)
+
+    def release(self, name: str) -> None:
+        if name in self.bound:
+            self.units[name].unbind()
+            self.bound.discard(name)
+        self.pending.pop(name, None)
+        self.owner.record("offload", self.units[name].name)
+
+    def _forward_end(self, *_args) -> None:
+        for name in sorted(self.resident):
+            self.release(name)
+
+    def covered_parameters(self) -> set[int]:
+        return {id(slot[0]._parameters[slot[1]]) for unit in self.units.values() for slot in unit.slots if slot[2]}
+
+
+class Offloader:
+    """Moves a pipeline's weights to the compute device as the run needs them."""
+
+    def __init__(self, components: dict[str, torch.nn.Module], options: OffloadOptions, transfer: Transfer) -> None:
+        self.options = options
+        self.transfer = transfer
+        self.events: list[OffloadEvent] = []
+        self.active: str | None = None
+        self.units: dict[str, Unit] = {}
+        self.streamers: dict[str, _BlockStreamer] = {}
+        self.components = {name: module for name, module in components.items() if module is not None}
+        for name, module in self.components.items():
+            streamed = options.mode == "layerwise" and name in EXPERTS
+            if name in EXPERTS:
+                # Registered before the streamer's hooks: activating releases other units first, then the
+                # streamer prefetches this expert's first blocks.
+                module.register_forward_pre_hook(lambda *_, _name=name: self.activate(_name))
+            if streamed:
+                missing = undeclared_block_lists(module)
+                if missing:
+                    raise WanVACEError(
+                        f"{type(module).__name__} has block list(s) {', '.join(missing)} that layerwise offload "
+                        "does not cover; declare them in wanvace_core.offload.BLOCK_LISTS."
+                    )
+                self.streamers[name] = _BlockStreamer(self, name, module)
+            skip = block_lists_of(module) if streamed else ()
+            self.units[name] = Unit.of_module(name, module, skip=skip)
+
+    def record(self, kind: str, unit: str) -> None:
+        resident = [unit_name for unit_name in self._resident_names()]
+        self.events.append(OffloadEvent(kind, unit, tuple(resident)))
+
+    def _resident_names(self) -> list[str]:
+        names = [] if self.active is None else [self.active]
+        for streamer in self.streamers.values():
+            names += sorted(streamer.units[name].name for name in streamer.resident)
+        return names
+
+    def activate(self, name: str) -> None:
+        """Makes component `name` runnable on the device; the previously active one goes back to host memory."""
+        if name == self.active or name not in self.units:
+            return
+        self.release_all()
+        unit = self.units[name]
+        unit.bind(self.transfer.finish(unit, self.transfer.begin(unit)))
+        self.active = name
+        self.record("onload", name)
+
+    def release_all(self) -> None:
+        """Sends every weight back to host memory (also used when ComfyUI asks to free memory)."""
+        for streamer in self.streamers.values():
+            for block in sorted(streamer.resident):
+                streamer.release(block)
+        if self.active is not None:
+            self.units[self.active].unbind()
+            released, self.active = self.active, None
+            self.record("offload", released)
+
+    def device_bytes(self) -> int:
+        """Bytes of weights this offloader currently holds on the device."""
+        total = 0 if self.active is None else self.units[self.active].nbytes
+        for streamer in self.streamers.values():
+            total += sum(streamer.units[name].nbytes for name in streamer.resident)
+        return total
+
+    def covered_parameters(self) -> set[int]:
+        covered = {id(slot[0]._parameters[slot[1]]) for unit in self.units.values() for slot in unit.slots if slot[2]}
+        for streamer in self.streamers.values():
+            covered |= streamer.covered_parameters()
+        return covered
+
+
+class NoOffload:
+    """Mode `none`: weights were loaded onto the device and stay there."""
+
+    options = OffloadOptions()
+
+    def activate(self, name: str) -> None:
+        pass
+
+    def release_all(self) -> None:
+        pass
+
+    def device_bytes(self) -> int:
+        return 0
+
+
+def make_transfer(options: OffloadOptions, device: torch.device, components: dict[str, torch.nn.Module]) -> Transfer:
+    """The transfer for `device`: a pinned ring on CUDA, synchronous copies elsewhere."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return SynchronousTransfer(device)
+    largest_block = max(
+        (
+            sum(p.numel() * p.element_size() for p in module.get_submodule(name).parameters())
+            for key, module in components.items()
+            if key in EXPERTS and module is not None
+            for name in execution_order(module)
+        ),
+        default=0,
+    )
+    slots = options.prefetch_blocks + 1
+    if options.max_pinned_mb:
+        budget = options.max_pinned_mb * 2**20
+        if budget < largest_block:
+            raise WanVACEInputError(
+                f"max_pinned_mb={options.max_pinned_mb} is smaller than one block ({largest_block / 2**20:.0f} MB); "
+                "raise it or set 0 for automatic."
+            )
+        slots = max(1, min(slots, budget // largest_block))
+    return CudaStreamTransfer(device, slots=slots, slot_bytes=largest_block + 64 * 64)
+
+
+def attach_offload(model, options: OffloadOptions, transfer: Transfer | None = None) -> None:
+    """Attaches an offloader to a loaded `WanVACEModel` whose weights sit in host memory."""
+    if options.mode == "none":
+        model.offload = NoOffload()
+        return
+    components = {name: getattr(model, name) for name in COMPONENTS}
+    transfer = transfer or make_transfer(options, model.device, components)
+    model.offload = Offloader(components, options, transfer)
