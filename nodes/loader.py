@@ -10,12 +10,15 @@ from comfy_api.latest import io
 
 from ..wanvace_core import (
     DTYPES,
+    OffloadOptions,
     WanVACEModelFolderError,
+    attach_offload,
     find_pipeline_folders,
     inspect_pipeline_folder,
     load_pipeline,
 )
-from .types import CATEGORY, WanVACEModelType
+from .memory import cooperate
+from .types import CATEGORY, WanVACEModelType, WanVACEOffloadType
 
 MODEL_FOLDER = "diffusers"
 
@@ -64,6 +67,11 @@ class WanVACEModelLoader(io.ComfyNode):
                     tooltip="Weight and compute dtype. bf16 is what the model was trained in; fp32 doubles memory; "
                     "fp16 may overflow. Norms and time embeddings stay fp32 as diffusers keeps them.",
                 ),
+                WanVACEOffloadType.Input(
+                    "offload",
+                    optional=True,
+                    tooltip="From WanVACE Offload Options; unconnected = everything on the GPU.",
+                ),
             ],
             outputs=[WanVACEModelType.Output(display_name="model", tooltip="The loaded WanVACE pipeline.")],
         )
@@ -81,6 +89,14 @@ class WanVACEModelLoader(io.ComfyNode):
         return True
 
     @classmethod
-    def execute(cls, model_name: str, dtype: str) -> io.NodeOutput:
+    def execute(cls, model_name: str, dtype: str, offload: OffloadOptions | None = None) -> io.NodeOutput:
         device = comfy.model_management.get_torch_device()
-        return io.NodeOutput(load_pipeline(resolve_model_folder(model_name), dtype, device))
+        folder = resolve_model_folder(model_name)
+        if offload is None or offload.mode == "none":
+            return io.NodeOutput(load_pipeline(folder, dtype, device))
+        # Weights stay in host memory (memory-mapped where the dtype matches the files) and move on demand.
+        model = load_pipeline(folder, dtype, "cpu")
+        model.device = device
+        attach_offload(model, offload)
+        cooperate(model.offload, device)
+        return io.NodeOutput(model)

@@ -5,5 +5,6 @@ from comfy_api.latest import io
 WanVACEModelType = io.Custom("WANVACE_MODEL")
 WanVACEConditioningType = io.Custom("WANVACE_COND")
 WanVACECacheType = io.Custom("WANVACE_CACHE")
+WanVACEOffloadType = io.Custom("WANVACE_OFFLOAD")
 
 CATEGORY = "WanVACE"

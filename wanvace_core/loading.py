@@ -1,9 +1,18 @@
 """Streams a diffusers-format WanVACE pipeline folder into memory.
 
 Each weight-bearing component is built on the meta device (parameters only; buffers such as the
-RoPE tables are computed normally) and then filled tensor by tensor from memory-mapped
-safetensors, cast straight to its final dtype and device. No component ever exists twice in
-memory, and pickle files are never opened.
+RoPE tables are computed normally) and then filled tensor by tensor from its safetensors files:
+
+- a tensor whose file dtype is already its final dtype on the CPU is used in place, as a view of the
+  memory-mapped (copy-on-write) file: it costs no private memory and is paged in on first use;
+- every other tensor (cast to another dtype, or bound for an accelerator) is allocated once in its
+  final dtype and device and cast into from 64 MiB memory-mapped windows of the file, each unmapped
+  once used, so neither a copy in the file's dtype nor the file's pages stay resident.
+
+No component ever exists twice in memory, and pickle files are never opened. While a component
+loads, private memory grows by its size in its final dtype (less what is used in place) and
+file-backed memory by at most one window; `tests/test_load_memory.py` checks this and
+`bench/bench_load.py` compares it with diffusers' `from_pretrained`.
 """
 
 from __future__ import annotations
@@ -11,11 +20,13 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import math
+import mmap
+import struct
 from pathlib import Path
 
 import torch
 from accelerate import init_empty_weights
-from accelerate.utils import set_module_tensor_to_device
 from safetensors import safe_open
 
 from .errors import WanVACEModelFolderError
@@ -26,6 +37,29 @@ logger = logging.getLogger(__name__)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _ALLOWED_LIBRARIES = {"diffusers", "transformers"}
+# Tensors that are cast or moved are read through mapped windows of the file of at most this many bytes.
+_WINDOW_BYTES = 64 * 1024 * 1024
+_SAFETENSORS_DTYPES = {
+    name: getattr(torch, attr)
+    for name, attr in {
+        "F64": "float64",
+        "F32": "float32",
+        "F16": "float16",
+        "BF16": "bfloat16",
+        "F8_E4M3": "float8_e4m3fn",
+        "F8_E5M2": "float8_e5m2",
+        "I64": "int64",
+        "I32": "int32",
+        "I16": "int16",
+        "I8": "int8",
+        "U64": "uint64",
+        "U32": "uint32",
+        "U16": "uint16",
+        "U8": "uint8",
+        "BOOL": "bool",
+    }.items()
+    if hasattr(torch, attr)
+}
 
 
 def _component_class(model_index: dict, name: str):
@@ -64,26 +98,124 @@ def _build_on_meta(cls, folder: Path) -> torch.nn.Module:
         return cls(config_cls.from_pretrained(folder))
 
 
+def _set_tensor(module: torch.nn.Module, key: str, tensor: torch.Tensor) -> None:
+    """Puts `tensor` in place of the (meta) parameter or buffer `key`, keeping the parameter class."""
+    owner_name, _, attr = key.rpartition(".")
+    owner = module.get_submodule(owner_name) if owner_name else module
+    if attr in owner._parameters:
+        old = owner._parameters[attr]
+        owner._parameters[attr] = type(old)(tensor, requires_grad=old.requires_grad)
+    else:
+        owner._buffers[attr] = tensor
+
+
+def _read_header(path: Path) -> tuple[int, dict]:
+    """The data start offset and tensor entries of a safetensors file."""
+    try:
+        with open(path, "rb") as handle:
+            (header_length,) = struct.unpack("<Q", handle.read(8))
+            if header_length > path.stat().st_size - 8:
+                raise ValueError(f"the header claims {header_length} bytes")
+            header = json.loads(handle.read(header_length))
+    except (OSError, ValueError, struct.error) as error:
+        raise WanVACEModelFolderError(
+            f"Cannot read weight file {path} as safetensors ({error}); re-download or re-convert this file."
+        ) from error
+    header.pop("__metadata__", None)
+    return 8 + header_length, header
+
+
+def _stream_into(fileno: int, offset: int, nbytes: int, source_dtype: torch.dtype, target: torch.Tensor) -> None:
+    """Casts the `nbytes` at `offset` of the file into `target` (any dtype, device), one mapped window at a time.
+
+    Each window of at most `_WINDOW_BYTES` is mapped copy-on-write (never written), cast into its place in
+    `target` and unmapped again, so the file's pages never pile up in this process's RSS.
+    """
+    flat = target.view(-1)
+    itemsize = source_dtype.itemsize
+    window = _WINDOW_BYTES - _WINDOW_BYTES % itemsize
+    done = 0
+    while done < nbytes:
+        size = min(window, nbytes - done)
+        start = offset + done
+        map_start = start - start % mmap.ALLOCATIONGRANULARITY
+        mapped = mmap.mmap(fileno, start + size - map_start, offset=map_start, access=mmap.ACCESS_COPY)
+        try:
+            source = torch.frombuffer(mapped, dtype=source_dtype, count=size // itemsize, offset=start - map_start)
+            try:
+                first = done // itemsize
+                flat[first : first + source.numel()].copy_(source)
+            finally:
+                del source  # the mapping can only be closed once no tensor views it
+        finally:
+            mapped.close()
+        done += size
+
+
+def _load_file(module, path: Path, cls, placeholders: dict, fp32_names: set[str], dtype, device) -> None:
+    """Fills the tensors `path` holds into `module`; `placeholders` are its meta tensors by state-dict key."""
+    data_start, header = _read_header(path)
+    file_size = path.stat().st_size
+    foreign = [key for key in header if key not in placeholders]
+    if foreign:
+        raise WanVACEModelFolderError(
+            f"{path} holds tensor '{foreign[0]}', which {cls.__name__} does not have; this file belongs to "
+            "another model or version."
+        )
+    mapped = None  # the whole file is memory-mapped only if some tensor is used in place
+    try:
+        with open(path, "rb", buffering=0) as handle:
+            for key, entry in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
+                source_dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
+                if source_dtype is None:
+                    raise WanVACEModelFolderError(f"{path} stores '{key}' as {entry['dtype']}, which is not supported.")
+                shape = tuple(entry["shape"])
+                begin, end = entry["data_offsets"]
+                if end - begin != math.prod(shape) * source_dtype.itemsize or data_start + end > file_size:
+                    raise WanVACEModelFolderError(
+                        f"{path} has a corrupt entry for tensor '{key}'; re-download or re-convert this file."
+                    )
+                target_dtype = source_dtype
+                if source_dtype.is_floating_point:
+                    keep_fp32 = any(part in fp32_names for part in key.split("."))
+                    target_dtype = torch.float32 if keep_fp32 else dtype
+                placeholder = placeholders[key]
+                if placeholder.shape != shape:
+                    raise WanVACEModelFolderError(
+                        f"{path} stores '{key}' with shape {list(shape)}, {cls.__name__} expects "
+                        f"{list(placeholder.shape)}; this file belongs to another model size."
+                    )
+                if target_dtype == source_dtype and device.type == "cpu":
+                    # Used in place: a view of the (copy-on-write) file mapping, no private copy at all.
+                    if mapped is None:
+                        mapped = safe_open(str(path), framework="pt", device="cpu")
+                    tensor = mapped.get_tensor(key)
+                else:
+                    # Cast (or moved): allocated once in its final dtype and device and cast into from
+                    # windows of the file, so neither a copy in the file's dtype nor the file's pages stay.
+                    tensor = torch.empty(shape, dtype=target_dtype, device=device)
+                    if end > begin:
+                        _stream_into(handle.fileno(), data_start + begin, end - begin, source_dtype, tensor)
+                _set_tensor(module, key, tensor)
+    finally:
+        mapped = None  # tensors used in place keep their mapping alive; the handle itself goes here
+
+
 def load_component(cls, files: ComponentFiles, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """Builds `cls` on meta and fills every tensor from `files.weight_files`, cast to `dtype`."""
+    """Builds `cls` on meta and fills every tensor from `files.weight_files`, cast to `dtype`.
+
+    A tensor whose file dtype already is its final dtype on the CPU is used in place from the memory-mapped
+    file (no private memory). Every other tensor is allocated once in its final dtype and device and cast
+    into from mapped windows of the file, so private memory grows by exactly the component's size in its
+    final dtype and file-backed memory by at most one window.
+    """
+    device = torch.device(device)
     module = _build_on_meta(cls, files.folder)
     fp32_names = _fp32_module_names(module, dtype)
-    expected = set(module.state_dict(keep_vars=True).keys())
-    seen: set[str] = set()
-    for path in files.weight_files:
-        with safe_open(str(path), framework="pt", device="cpu") as handle:
-            for key in handle.keys():
-                if key not in expected:
-                    raise WanVACEModelFolderError(
-                        f"{path} holds tensor '{key}', which {cls.__name__} does not have; this file belongs to "
-                        "another model or version."
-                    )
-                tensor = handle.get_tensor(key)
-                if tensor.is_floating_point():
-                    keep_fp32 = any(part in fp32_names for part in key.split("."))
-                    tensor = tensor.to(torch.float32 if keep_fp32 else dtype)
-                set_module_tensor_to_device(module, key, device, value=tensor, dtype=tensor.dtype)
-                seen.add(key)
+    placeholders = module.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for path in files.weight_files:
+            _load_file(module, Path(path), cls, placeholders, fp32_names, dtype, device)
     if hasattr(module, "tie_weights"):
         module.tie_weights()
     still_empty = [name for name, tensor in module.state_dict(keep_vars=True).items() if tensor.is_meta]
@@ -96,7 +228,7 @@ def load_component(cls, files: ComponentFiles, dtype: torch.dtype, device: torch
     # Buffers (RoPE tables) were computed on the CPU at their library-chosen dtype; only move them.
     for name, buffer in list(module.named_buffers()):
         if buffer.device != device:
-            set_module_tensor_to_device(module, name, device, value=buffer)
+            _set_tensor(module, name, buffer.to(device))
     return module.eval().requires_grad_(False)
 
 

@@ -280,6 +280,9 @@ class Offloader:
         self.transfer = transfer
         self.events: list[OffloadEvent] = []
         self.active: str | None = None
+        # Called as on_activate(component, peak_device_bytes) before weights move, so a host application
+        # (ComfyUI) can make room on the device first.
+        self.on_activate = None
         self.units: dict[str, Unit] = {}
         self.streamers: dict[str, _BlockStreamer] = {}
         self.components = {name: module for name, module in components.items() if module is not None}
@@ -315,6 +318,8 @@ class Offloader:
         if name == self.active or name not in self.units:
             return
         self.release_all()
+        if self.on_activate is not None:
+            self.on_activate(name, self.peak_device_bytes())
         unit = self.units[name]
         unit.bind(self.transfer.finish(unit, self.transfer.begin(unit)))
         self.active = name
@@ -329,6 +334,18 @@ class Offloader:
             self.units[self.active].unbind()
             released, self.active = self.active, None
             self.record("offload", released)
+            logger.debug("WanVACE offload: %s back in host memory", released)
+
+    def peak_device_bytes(self) -> int:
+        """The most weight bytes this offloader ever holds on the device at once."""
+        peak = 0
+        for name, unit in self.units.items():
+            streamed = 0
+            if name in self.streamers:
+                sizes = sorted((block.nbytes for block in self.streamers[name].units.values()), reverse=True)
+                streamed = sum(sizes[: self.options.prefetch_blocks + 1])
+            peak = max(peak, unit.nbytes + streamed)
+        return peak
 
     def device_bytes(self) -> int:
         """Bytes of weights this offloader currently holds on the device."""

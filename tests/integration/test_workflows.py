@@ -258,6 +258,7 @@ def test_every_node_and_input_is_described(comfy_server):
         "WanVACESampler",
         "WanVACEDecode",
         "WanVACECacheOptions",
+        "WanVACEOffloadOptions",
     }
     for name, node in ours.items():
         assert node["description"].strip(), name

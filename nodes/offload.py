@@ -1,0 +1,62 @@
+"""WanVACEOffloadOptions: where the weights live while the pipeline runs."""
+
+from __future__ import annotations
+
+from comfy_api.latest import io
+
+from ..wanvace_core import OFFLOAD_MODES, OffloadOptions, WanVACEInputError
+from .types import CATEGORY, WanVACEOffloadType
+
+
+class WanVACEOffloadOptions(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="WanVACEOffloadOptions",
+            display_name="WanVACE Offload Options",
+            category=CATEGORY,
+            description=(
+                "Runs the two 14B experts on a GPU smaller than the model. Connect to WanVACE Model Loader's "
+                "offload input. Results are bitwise equal in every mode; only memory and speed change."
+            ),
+            inputs=[
+                io.Combo.Input(
+                    "mode",
+                    options=list(OFFLOAD_MODES),
+                    default="model",
+                    tooltip="none: everything on the GPU (fastest, needs ~75 GB for A14B in bf16). model: each "
+                    "component moves to the GPU only while it runs, one expert at a time (~36 GB peak, a few seconds "
+                    "per switch). layerwise: blocks stream in just before they run (a few GB peak; a small slowdown "
+                    "when PCIe keeps up with compute).",
+                ),
+                io.Int.Input(
+                    "prefetch_blocks",
+                    default=1,
+                    min=0,
+                    max=16,
+                    tooltip="layerwise: blocks copied ahead on a side stream. Each costs one block of GPU memory "
+                    "(~0.8 GB for A14B in bf16); 1-2 hides the copy time on PCIe 4.",
+                ),
+                io.Int.Input(
+                    "max_pinned_mb",
+                    default=0,
+                    min=0,
+                    max=1 << 20,
+                    tooltip="layerwise: cap on pinned host memory for the staging ring; 0 = (prefetch_blocks + 1) "
+                    "blocks. Weights themselves stay memory-mapped, never pinned.",
+                ),
+            ],
+            outputs=[WanVACEOffloadType.Output(display_name="offload", tooltip="Offload settings for the loader.")],
+        )
+
+    @classmethod
+    def validate_inputs(cls, mode: str = "model", prefetch_blocks: int = 1, max_pinned_mb: int = 0) -> bool | str:
+        try:
+            OffloadOptions(mode, prefetch_blocks, max_pinned_mb)
+        except WanVACEInputError as error:
+            return str(error)
+        return True
+
+    @classmethod
+    def execute(cls, mode: str, prefetch_blocks: int, max_pinned_mb: int) -> io.NodeOutput:
+        return io.NodeOutput(OffloadOptions(mode, prefetch_blocks, max_pinned_mb))

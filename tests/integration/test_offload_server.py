@@ -1,0 +1,69 @@
+"""Offload options through a real ComfyUI: same results as no offload, and ComfyUI's unload frees our memory."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from workflow_graphs import for_tiny_model
+
+pytestmark = pytest.mark.integration
+
+API_DIR = Path(__file__).resolve().parents[1] / "api_workflows"
+RELEASED = "WanVACE released"
+
+
+def _workflow(seed: int, prefix: str, offload: dict | None) -> dict:
+    workflow = for_tiny_model(json.loads((API_DIR / "wanvace_v2v.json").read_text()))
+    ids = {node["class_type"]: key for key, node in workflow.items()}
+    workflow[ids["WanVACESampler"]]["inputs"]["seed"] = seed
+    if offload is not None:
+        workflow["600"] = {"class_type": "WanVACEOffloadOptions", "inputs": offload}
+        workflow[ids["WanVACEModelLoader"]]["inputs"]["offload"] = ["600", 0]
+    workflow["900"] = {
+        "class_type": "SaveLatent",
+        "inputs": {"samples": [ids["WanVACESampler"], 0], "filename_prefix": prefix},
+    }
+    return workflow
+
+
+def _latent(server, workflow) -> torch.Tensor:
+    result = server.run_prompt(workflow)
+    assert result.status == "success", result.error or result.response
+    (path,) = [p for p in result.output_files() if p.suffix == ".latent"]
+    return load_file(str(path))["latent_tensor"]
+
+
+@pytest.mark.parametrize(
+    "offload",
+    [
+        {"mode": "model", "prefetch_blocks": 1, "max_pinned_mb": 0},
+        {"mode": "layerwise", "prefetch_blocks": 2, "max_pinned_mb": 0},
+    ],
+)
+def test_offload_modes_match_no_offload_and_obey_comfyui_unload(offload, comfy_server):
+    plain = _latent(comfy_server, _workflow(61, f"offload_{offload['mode']}/plain", None))
+    first = _latent(comfy_server, _workflow(61, f"offload_{offload['mode']}/first", offload))
+    assert torch.equal(first, plain)
+
+    releases = comfy_server.log_text().count(RELEASED)
+    comfy_server.post("/free", {"unload_models": True}).raise_for_status()
+    deadline = time.monotonic() + 30
+    while comfy_server.log_text().count(RELEASED) == releases and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert comfy_server.log_text().count(RELEASED) > releases, "ComfyUI's unload did not reach the offloader"
+
+    _latent(comfy_server, _workflow(62, f"offload_{offload['mode']}/other", offload))
+    again = _latent(comfy_server, _workflow(61, f"offload_{offload['mode']}/again", offload))
+    assert torch.equal(again, first)
+
+
+def test_invalid_offload_options_are_refused_at_queue_time(comfy_server):
+    workflow = _workflow(63, "offload_invalid", {"mode": "sequential", "prefetch_blocks": 1, "max_pinned_mb": 0})
+    result = comfy_server.run_prompt(workflow)
+    assert result.status == "rejected"
+    assert "mode='sequential'" in json.dumps(result.node_errors["600"])

@@ -1,0 +1,307 @@
+"""Host-memory (RSS) measurement helpers for load tests and benchmarks (Linux `/proc`; no ComfyUI import).
+
+Resident memory is split the way the kernel reports it in `/proc/<pid>/status`:
+
+- private (`RssAnon`): anonymous pages only this process holds, e.g. a tensor cast to another dtype;
+- file-backed (`RssFile`): pages of memory-mapped files (safetensors weights used in place, shared
+  libraries). The kernel can drop them under pressure and re-read them from the file;
+- `VmHWM`: the kernel's exact peak of the total; writing "5" to `/proc/<pid>/clear_refs` resets it.
+
+The kernel keeps no peak of the private and file-backed parts separately, so `PeakSampler` polls them
+from a thread. Polling `/proc` of another process (`pid=...`) avoids sharing that process's GIL.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+_FIELDS = ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem")
+
+
+def read_status(pid: int | str = "self") -> dict[str, int]:
+    """`VmRSS`, `VmHWM`, `RssAnon`, `RssFile`, `RssShmem` of `pid` in bytes."""
+    values: dict[str, int] = {}
+    with open(f"/proc/{pid}/status") as handle:
+        for line in handle:
+            name, _, rest = line.partition(":")
+            if name in _FIELDS:
+                values[name] = int(rest.split()[0]) * 1024
+    return values
+
+
+def reset_peak(pid: int | str = "self") -> bool:
+    """Resets the kernel's `VmHWM` to the current RSS. False where the kernel refuses (not Linux, no access)."""
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w") as handle:
+            handle.write("5")
+    except OSError:
+        return False
+    status = read_status(pid)
+    return status["VmHWM"] <= status["VmRSS"] + 1024 * 1024
+
+
+@dataclass
+class MemoryPeak:
+    """Peaks over a sampled window, in bytes, next to the values at its start."""
+
+    baseline: dict[str, int]
+    peak_private: int = 0
+    peak_file: int = 0
+    peak_rss: int = 0
+    peak_hwm: int = 0
+    samples: int = 0
+    hwm_reset: bool = False
+
+    @property
+    def private_above_baseline(self) -> int:
+        return self.peak_private - self.baseline["RssAnon"]
+
+    @property
+    def file_above_baseline(self) -> int:
+        return self.peak_file - self.baseline["RssFile"]
+
+    @property
+    def total_above_baseline(self) -> int:
+        """From the kernel's exact `VmHWM` where it could be reset, else from the samples."""
+        peak = max(self.peak_hwm, self.peak_rss) if self.hwm_reset else self.peak_rss
+        return peak - self.baseline["VmRSS"]
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "baseline_private": self.baseline["RssAnon"],
+            "baseline_file": self.baseline["RssFile"],
+            "baseline_rss": self.baseline["VmRSS"],
+            "peak_private": self.peak_private,
+            "peak_file": self.peak_file,
+            "peak_rss": self.peak_rss,
+            "peak_hwm": self.peak_hwm,
+            "private_above_baseline": self.private_above_baseline,
+            "file_above_baseline": self.file_above_baseline,
+            "total_above_baseline": self.total_above_baseline,
+            "samples": self.samples,
+            "hwm_reset": int(self.hwm_reset),
+        }
+
+
+class PeakSampler:
+    """Context manager that polls `/proc/<pid>/status` every `interval` seconds and keeps the peaks.
+
+    `with PeakSampler() as peak: load(...)`, then read `peak.private_above_baseline` etc. The window's
+    first and last values are sampled on the calling thread, so a window shorter than `interval` counts too.
+    """
+
+    def __init__(self, pid: int | str = "self", interval: float = 0.001):
+        self.pid = pid
+        self.interval = interval
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.result: MemoryPeak | None = None
+
+    def _sample(self) -> None:
+        try:
+            status = read_status(self.pid)
+        except (FileNotFoundError, ProcessLookupError):
+            return
+        result = self.result
+        result.peak_private = max(result.peak_private, status["RssAnon"])
+        result.peak_file = max(result.peak_file, status["RssFile"])
+        result.peak_rss = max(result.peak_rss, status["VmRSS"])
+        result.peak_hwm = max(result.peak_hwm, status["VmHWM"])
+        result.samples += 1
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._sample()
+            time.sleep(self.interval)
+
+    def __enter__(self) -> MemoryPeak:
+        hwm_reset = reset_peak(self.pid)
+        self.result = MemoryPeak(baseline=read_status(self.pid), hwm_reset=hwm_reset)
+        self._sample()
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+        self._thread.start()
+        return self.result
+
+    def __exit__(self, *exc_info) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._sample()
+
+
+def tensor_bytes(module) -> int:
+    """Bytes held by `module`'s parameters and buffers (each storage counted once)."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for tensor in [*module.parameters(), *module.buffers()]:
+        key = (tensor.untyped_storage().data_ptr(), tensor.data_ptr()) if not tensor.is_meta else (id(tensor), 0)
+        if key in seen:
+            continue
+        seen.add(key)
+        total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def cpu_count() -> int:
+    """CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+# --- Load measurement: a transformer-only folder and a worker process that loads it --------------------
+
+LOADERS = ("ours", "diffusers")
+
+
+def write_transformer_folder(
+    folder,
+    *,
+    num_layers: int = 4,
+    vace_every: int = 2,
+    num_attention_heads: int = 12,
+    attention_head_dim: int = 128,
+    ffn_mult: int = 4,
+    text_dim: int = 4096,
+    seed: int = 0,
+):
+    """Writes a random `WanVACETransformer3DModel` in bf16 to `<folder>/transformer` (diffusers layout).
+
+    Returns the component folder. Weights are drawn straight in bf16 so that writing a few hundred MB
+    takes seconds and little memory.
+    """
+    from pathlib import Path
+
+    import torch
+    from diffusers import WanVACETransformer3DModel
+
+    dim = num_attention_heads * attention_head_dim
+    with torch.device("meta"):
+        model = WanVACETransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=num_attention_heads,
+            attention_head_dim=attention_head_dim,
+            in_channels=16,
+            out_channels=16,
+            text_dim=text_dim,
+            freq_dim=256,
+            ffn_dim=ffn_mult * dim,
+            num_layers=num_layers,
+            cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads",
+            vace_layers=list(range(0, num_layers, vace_every)),
+            vace_in_channels=96,
+        )
+    generator = torch.Generator().manual_seed(seed)
+    state = {
+        name: (torch.randn(tensor.shape, generator=generator, dtype=torch.float32) * 0.02).to(torch.bfloat16)
+        for name, tensor in model.state_dict().items()
+    }
+    model.load_state_dict(state, assign=True)
+    del state
+    out = Path(folder) / "transformer"
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def _malloc_trim() -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _measure_load(loader: str, component_folder: str, dtype_name: str, threads: int) -> dict:
+    """Runs in a fresh process: loads one component and reports time, memory and what was loaded."""
+    import gc
+    import sys
+    from pathlib import Path
+
+    import torch
+    from diffusers import WanVACETransformer3DModel
+
+    from .folder import ComponentFiles, _weight_files
+    from .loading import DTYPES, load_component
+
+    torch.set_num_threads(threads)
+    sys.setswitchinterval(0.0005)  # let the sampler thread in often while the loader holds the GIL
+    dtype = DTYPES[dtype_name]
+    folder = Path(component_folder)
+    files = _weight_files(folder.name, folder)
+    component = ComponentFiles(name=folder.name, folder=folder, weight_files=files)
+    gc.collect()
+    _malloc_trim()
+    with PeakSampler() as peak:
+        start = time.perf_counter()
+        if loader == "ours":
+            model = load_component(WanVACETransformer3DModel, component, dtype, torch.device("cpu"))
+        else:
+            model = WanVACETransformer3DModel.from_pretrained(folder, torch_dtype=dtype, use_safetensors=True)
+        seconds = time.perf_counter() - start
+    after = read_status()
+    # Read every byte once, as a first forward would: weights used in place from the file get paged in.
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if tensor.numel():
+                tensor.reshape(-1).view(torch.uint8).max()  # no temporary the size of the tensor
+    used = read_status()
+    param_dtypes: dict[str, int] = {}
+    for tensor in model.parameters():
+        name = str(tensor.dtype).removeprefix("torch.")
+        param_dtypes[name] = param_dtypes.get(name, 0) + 1
+    return {
+        "loader": loader,
+        "dtype": dtype_name,
+        "seconds": seconds,
+        "component_bytes": tensor_bytes(model),
+        "file_bytes": sum(path.stat().st_size for path in files),
+        "meta_tensors": sum(tensor.is_meta for tensor in [*model.parameters(), *model.buffers()]),
+        "param_dtypes": param_dtypes,
+        "private_after": after["RssAnon"] - peak.baseline["RssAnon"],
+        "file_after": after["RssFile"] - peak.baseline["RssFile"],
+        "private_after_use": used["RssAnon"] - peak.baseline["RssAnon"],
+        "file_after_use": used["RssFile"] - peak.baseline["RssFile"],
+        **peak.as_dict(),
+    }
+
+
+def measure_load_in_subprocess(loader: str, component_folder, dtype: str, *, threads: int = 2, timeout: float = 600):
+    """Loads a `WanVACETransformer3DModel` folder in a fresh Python process and returns what it measured.
+
+    `loader` is "ours" (`load_component`) or "diffusers" (`from_pretrained(..., torch_dtype=...)`). The
+    baseline is taken in the child after its imports, so both loaders start from the same clean state.
+    Keys ending in `_above_baseline` are peaks during the load minus the baseline, in bytes.
+    """
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
+    command = [sys.executable, "-m", "wanvace_core.memory", loader, str(component_folder), dtype, str(threads)]
+    done = subprocess.run(command, env=env, cwd=repo, capture_output=True, text=True, timeout=timeout, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _main(argv: list[str]) -> None:
+    import json
+
+    loader, component_folder, dtype, threads = argv
+    if loader not in LOADERS:
+        raise SystemExit(f"loader must be one of {LOADERS}")
+    print(json.dumps(_measure_load(loader, component_folder, dtype, int(threads))))
+
+
+if __name__ == "__main__":
+    import sys
+
+    _main(sys.argv[1:])
