@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH, build_task
@@ -76,3 +77,21 @@ def test_interleaved_forward_is_restored_after_a_cached_run(loaded_models):
         assert not hasattr(expert, "_is_patched")
         assert all("forward" not in block.__dict__ for block in expert.blocks)
     assert torch.equal(sample(model, cond, settings).latents, before)
+
+
+@pytest.mark.slow
+def test_interleaving_lowers_the_activation_peak_by_several_hints():
+    import importlib.util
+    from argparse import Namespace
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "bench_vace_memory.py"
+    spec = importlib.util.spec_from_file_location("bench_vace_memory", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = Namespace(tokens=2048, dim=512, layers=16, vace_layers=8)
+    stock, ours = bench.measure(False, args), bench.measure(True, args)
+    assert stock["checksum"] == ours["checksum"]
+    hint_kb = stock["tokens"] * args.dim * 4 / 1024
+    # Eight hints alive at once versus one: at least five hints' worth must be saved.
+    assert stock["peak_above_kb"] - ours["peak_above_kb"] >= 5 * hint_kb, (stock, ours)

@@ -1,0 +1,172 @@
+"""Peak VRAM and per-step time of the A14B expert architecture under each offload mode (needs CUDA).
+
+    .venv/bin/python bench/bench_offload_gpu.py [--height 480 --width 832 --frames 81 --steps 3 --prefetch 1]
+
+Builds two Wan2.2-VACE-Fun-A14B-sized experts (40 blocks + 8 VACE blocks, dim 5120) with random bf16
+weights (no download; both experts share one host copy of the weights, so host RAM holds ~35 GB),
+runs `--steps` CFG denoising steps per mode (high-noise expert for the first half, low-noise for the
+rest) and prints per-step time, peak VRAM, host RSS (private and file-backed) and the layerwise/none
+overhead. Without CUDA it says so and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from wanvace_core.interleave import apply_interleaved_vace
+from wanvace_core.memory import read_status
+from wanvace_core.offload import EXPERTS, Offloader, OffloadOptions, make_transfer
+
+A14B = {
+    "patch_size": (1, 2, 2),
+    "num_attention_heads": 40,
+    "attention_head_dim": 128,
+    "in_channels": 16,
+    "out_channels": 16,
+    "text_dim": 4096,
+    "freq_dim": 256,
+    "ffn_dim": 13824,
+    "num_layers": 40,
+    "cross_attn_norm": True,
+    "qk_norm": "rms_norm_across_heads",
+    "eps": 1e-6,
+    "rope_max_seq_len": 1024,
+    "vace_layers": list(range(0, 40, 5)),
+    "vace_in_channels": 96,
+}
+
+
+def _expert_pair(dtype: torch.dtype):
+    """Two experts on the CPU whose parameters share one set of random host tensors."""
+    from accelerate import init_empty_weights
+    from diffusers import WanVACETransformer3DModel
+
+    keep_fp32 = set(WanVACETransformer3DModel._keep_in_fp32_modules)
+    with init_empty_weights(include_buffers=False):
+        first = WanVACETransformer3DModel(**A14B)
+        second = WanVACETransformer3DModel(**A14B)
+    generator = torch.Generator("cuda").manual_seed(0)
+    for (name, param), (_, twin) in zip(first.named_parameters(), second.named_parameters(), strict=True):
+        target = torch.float32 if keep_fp32 & set(name.split(".")) else dtype
+        # Random numbers are drawn on the GPU (fast) and kept in host memory.
+        host = torch.empty(param.shape, dtype=target, device="cuda").normal_(0, 0.02, generator=generator).cpu()
+        param_host = torch.nn.Parameter(host, requires_grad=False)
+        for module, leaf in ((first, name), (second, name)):
+            owner = module.get_submodule(leaf.rpartition(".")[0]) if "." in leaf else module
+            owner._parameters[leaf.rpartition(".")[2]] = param_host
+        del twin
+    for expert in (first, second):
+        expert.eval().requires_grad_(False)
+        apply_interleaved_vace(expert)
+    return first, second
+
+
+def _inputs(args, dtype):
+    frames = (args.frames - 1) // 4 + 1
+    shape = (1, 16, frames, args.height // 8, args.width // 8)
+    device = "cuda"
+    return {
+        "hidden_states": torch.randn(shape, device=device, dtype=dtype),
+        "timestep": torch.tensor([900], device=device),
+        "encoder_hidden_states": torch.randn(1, 512, 4096, device=device, dtype=dtype),
+        "control_hidden_states": torch.randn((1, 96, *shape[2:]), device=device, dtype=dtype),
+        "control_hidden_states_scale": torch.ones(8, device=device, dtype=dtype),
+        "return_dict": False,
+    }
+
+
+def _run_mode(mode: str, experts, inputs, args) -> dict:
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    components = dict(zip(EXPERTS, experts, strict=True))
+    offloader = None
+    if mode == "none":
+        for expert in experts:
+            expert.to("cuda")
+    else:
+        options = OffloadOptions(mode=mode, prefetch_blocks=args.prefetch, max_pinned_mb=args.max_pinned_mb)
+        transfer = make_transfer(options, torch.device("cuda"), components)
+        offloader = Offloader(components, options, transfer)
+    step_times, outputs = [], []
+    for step in range(args.steps):
+        expert = experts[0] if step < (args.steps + 1) // 2 else experts[1]
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.no_grad():
+            cond = expert(**inputs)[0]
+            uncond = expert(**inputs)[0]
+            outputs.append((uncond + 5.0 * (cond - uncond)).float().cpu())
+        torch.cuda.synchronize()
+        step_times.append(time.perf_counter() - start)
+    result = {
+        "mode": mode,
+        "first_step_s": step_times[0],
+        "median_step_s": statistics.median(step_times[1:] or step_times),
+        "peak_vram_gb": torch.cuda.max_memory_allocated() / 2**30,
+        "host_private_gb": read_status()["RssAnon"] / 2**30,
+        "host_file_gb": read_status()["RssFile"] / 2**30,
+        "output": outputs[-1],
+    }
+    if offloader is not None:
+        offloader.release_all()
+        for expert in experts:
+            expert._forward_pre_hooks.clear()
+            expert._forward_hooks.clear()
+            for module in expert.modules():
+                module._forward_pre_hooks.clear()
+                module._forward_hooks.clear()
+    else:
+        for expert in experts:
+            expert.to("cpu")
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--height", type=int, default=480)
+    parser.add_argument("--width", type=int, default=832)
+    parser.add_argument("--frames", type=int, default=81)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--prefetch", type=int, default=1)
+    parser.add_argument("--max-pinned-mb", type=int, default=0)
+    parser.add_argument("--modes", default="none,model,layerwise")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing measured")
+        return
+    print(f"device: {torch.cuda.get_device_name()}; {args.width}x{args.height}x{args.frames}, {args.steps} CFG steps")
+    experts = _expert_pair(torch.bfloat16)
+    inputs = _inputs(args, torch.bfloat16)
+    results = {}
+    for mode in args.modes.split(","):
+        try:
+            results[mode] = _run_mode(mode, experts, inputs, args)
+        except torch.cuda.OutOfMemoryError:
+            print(f"{mode:10s} out of memory")
+            for expert in experts:
+                expert.to("cpu")
+            continue
+        r = results[mode]
+        print(
+            f"{mode:10s} step {r['median_step_s']:7.2f} s (first {r['first_step_s']:6.2f} s)  "
+            f"peak VRAM {r['peak_vram_gb']:6.1f} GB  host private {r['host_private_gb']:5.1f} GB  "
+            f"file-backed {r['host_file_gb']:5.1f} GB"
+        )
+    if "none" in results:
+        for mode in ("model", "layerwise"):
+            if mode in results:
+                ratio = results[mode]["median_step_s"] / results["none"]["median_step_s"]
+                same = torch.equal(results[mode]["output"], results["none"]["output"])
+                print(f"{mode}/none per-step time {ratio:.3f}; outputs bitwise equal: {same}")
+
+
+if __name__ == "__main__":
+    main()
