@@ -52,8 +52,8 @@ def _listed_components(model_index: dict) -> set[str]:
     }
 
 
-def check_safetensors_file(path: Path) -> None:
-    """Raises if `path` is not a complete safetensors file (a truncated download, a pickle)."""
+def read_safetensors_header(path: Path) -> tuple[int, dict]:
+    """The data start offset and the tensor entries of a safetensors file (metadata dropped)."""
     remedy = "re-download or re-convert this file"
     try:
         size = path.stat().st_size
@@ -71,12 +71,24 @@ def check_safetensors_file(path: Path) -> None:
     except (OSError, ValueError) as error:
         if isinstance(error, WanVACEModelFolderError):
             raise
-        raise WanVACEModelFolderError(f"Cannot read weight file {path}: {error}; {remedy}.") from error
-    data_end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
-    expected = 8 + header_length + data_end
+        raise WanVACEModelFolderError(f"Cannot read weight file {path} as safetensors: {error}; {remedy}.") from error
+    header.pop("__metadata__", None)
+    if not isinstance(header, dict) or any(
+        not isinstance(entry, dict) or len(entry.get("data_offsets", ())) != 2 for entry in header.values()
+    ):
+        raise WanVACEModelFolderError(f"Weight file {path} has a malformed safetensors header; {remedy}.")
+    return 8 + header_length, header
+
+
+def check_safetensors_file(path: Path) -> None:
+    """Raises if `path` is not a complete safetensors file (a truncated download, a pickle)."""
+    data_start, header = read_safetensors_header(path)
+    expected = data_start + max((entry["data_offsets"][1] for entry in header.values()), default=0)
+    size = path.stat().st_size
     if size < expected:
         raise WanVACEModelFolderError(
-            f"Weight file {path} is truncated: {size} bytes on disk, its header needs {expected}; {remedy}."
+            f"Weight file {path} is truncated: {size} bytes on disk, its header needs {expected}; "
+            "re-download or re-convert this file."
         )
 
 

@@ -22,7 +22,6 @@ import json
 import logging
 import math
 import mmap
-import struct
 from pathlib import Path
 
 import torch
@@ -30,7 +29,7 @@ from accelerate import init_empty_weights
 from safetensors import safe_open
 
 from .errors import WanVACEModelFolderError
-from .folder import ComponentFiles, inspect_pipeline_folder
+from .folder import ComponentFiles, inspect_pipeline_folder, read_safetensors_header
 from .model import WanVACEModel
 
 logger = logging.getLogger(__name__)
@@ -109,22 +108,6 @@ def _set_tensor(module: torch.nn.Module, key: str, tensor: torch.Tensor) -> None
         owner._buffers[attr] = tensor
 
 
-def _read_header(path: Path) -> tuple[int, dict]:
-    """The data start offset and tensor entries of a safetensors file."""
-    try:
-        with open(path, "rb") as handle:
-            (header_length,) = struct.unpack("<Q", handle.read(8))
-            if header_length > path.stat().st_size - 8:
-                raise ValueError(f"the header claims {header_length} bytes")
-            header = json.loads(handle.read(header_length))
-    except (OSError, ValueError, struct.error) as error:
-        raise WanVACEModelFolderError(
-            f"Cannot read weight file {path} as safetensors ({error}); re-download or re-convert this file."
-        ) from error
-    header.pop("__metadata__", None)
-    return 8 + header_length, header
-
-
 def _stream_into(fileno: int, offset: int, nbytes: int, source_dtype: torch.dtype, target: torch.Tensor) -> None:
     """Casts the `nbytes` at `offset` of the file into `target` (any dtype, device), one mapped window at a time.
 
@@ -154,7 +137,7 @@ def _stream_into(fileno: int, offset: int, nbytes: int, source_dtype: torch.dtyp
 
 def _load_file(module, path: Path, cls, placeholders: dict, fp32_names: set[str], dtype, device) -> None:
     """Fills the tensors `path` holds into `module`; `placeholders` are its meta tensors by state-dict key."""
-    data_start, header = _read_header(path)
+    data_start, header = read_safetensors_header(path)
     file_size = path.stat().st_size
     foreign = [key for key in header if key not in placeholders]
     if foreign:
@@ -168,7 +151,10 @@ def _load_file(module, path: Path, cls, placeholders: dict, fp32_names: set[str]
             for key, entry in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
                 source_dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
                 if source_dtype is None:
-                    raise WanVACEModelFolderError(f"{path} stores '{key}' as {entry['dtype']}, which is not supported.")
+                    raise WanVACEModelFolderError(
+                        f"{path} stores '{key}' as {entry['dtype']}, which is not supported; convert it to BF16, "
+                        "F16 or F32."
+                    )
                 shape = tuple(entry["shape"])
                 begin, end = entry["data_offsets"]
                 if end - begin != math.prod(shape) * source_dtype.itemsize or data_start + end > file_size:
