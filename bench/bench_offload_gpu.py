@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from wanvace_core.interleave import apply_interleaved_vace
 from wanvace_core.memory import read_status
-from wanvace_core.offload import EXPERTS, Offloader, OffloadOptions, make_transfer
+from wanvace_core.offload import EXPERTS, Offloader, OffloadOptions, SynchronousTransfer, make_transfer
 
 A14B = {
     "patch_size": (1, 2, 2),
@@ -93,8 +93,19 @@ def _run_mode(mode: str, experts, inputs, args) -> dict:
             expert.to("cuda")
     else:
         options = OffloadOptions(mode=mode, prefetch_blocks=args.prefetch, max_pinned_mb=args.max_pinned_mb)
-        transfer = make_transfer(options, torch.device("cuda"), components)
-        offloader = Offloader(components, options, transfer)
+        offloader = Offloader(components, options, SynchronousTransfer(torch.device("cuda")))
+        offloader.transfer = make_transfer(options, torch.device("cuda"), offloader)
+    try:
+        return _measure(experts, inputs, args, mode)
+    finally:
+        if offloader is not None:
+            offloader.detach()
+        else:
+            for expert in experts:
+                expert.to("cpu")
+
+
+def _measure(experts, inputs, args, mode: str) -> dict:
     step_times, outputs = [], []
     for step in range(args.steps):
         expert = experts[0] if step < (args.steps + 1) // 2 else experts[1]
@@ -115,17 +126,6 @@ def _run_mode(mode: str, experts, inputs, args) -> dict:
         "host_file_gb": read_status()["RssFile"] / 2**30,
         "output": outputs[-1],
     }
-    if offloader is not None:
-        offloader.release_all()
-        for expert in experts:
-            expert._forward_pre_hooks.clear()
-            expert._forward_hooks.clear()
-            for module in expert.modules():
-                module._forward_pre_hooks.clear()
-                module._forward_hooks.clear()
-    else:
-        for expert in experts:
-            expert.to("cpu")
     return result
 
 

@@ -299,3 +299,25 @@ def test_parity_with_cache_dit_on_diffusers_pipeline(mode, model, tiny_folder):
     assert list(low.cached_steps) == their_low.cached_steps
     assert list(low.cfg_cached_steps) == their_low.cfg_cached_steps
     assert torch.equal(ours.latents, theirs)
+
+
+def test_a_failure_after_cache_dit_attached_leaves_the_model_as_it_was(model, monkeypatch):
+    import cache_dit
+
+    from wanvace_core.interleave import uses_interleaved_vace
+
+    cond = _cond(model, "v2v")
+    baseline = sample(model, cond, _settings()).latents
+    real_enable = cache_dit.enable_cache
+
+    def attach_then_fail(adapter, **kwargs):
+        real_enable(adapter, **kwargs)
+        raise ValueError("simulated failure after attaching")
+
+    monkeypatch.setattr(cache_dit, "enable_cache", attach_then_fail)
+    with pytest.raises(WanVACECacheError, match="simulated failure after attaching"):
+        sample(model, cond, _settings(), cache=_eager())
+    for expert in model.experts:
+        assert not getattr(expert, "_is_cached", False)
+        assert uses_interleaved_vace(expert)
+    assert torch.equal(sample(model, cond, _settings()).latents, baseline)

@@ -27,10 +27,11 @@ from wanvace_core.offload import COMPONENTS, Offloader, SynchronousTransfer
 SETTINGS = SamplerSettings(seed=9, steps=6, cfg=5.0, cfg_low_noise=4.0)
 
 
-def _run(model, cache=None):
+def _run(model, cache=None, with_report=False):
     cond = prepare_conditioning(model, VACEInputs(PROMPT, NEGATIVE, WIDTH, HEIGHT, LENGTH, **build_task("v2v").ours))
     result = sample(model, cond, SETTINGS, cache=cache)
-    return result.latents, decode(model, to_vae_space(model, result.latents))
+    frames = decode(model, to_vae_space(model, result.latents))
+    return (result.latents, frames, result.cache_report) if with_report else (result.latents, frames)
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +100,8 @@ def test_layerwise_with_cache_skips_blocks_keeps_the_bound_and_the_result(tiny_f
     cache = CacheOptions(residual_diff_threshold=0.2, high_noise=eager, low_noise=eager)
     expected = _run(load_pipeline(tiny_folder, "fp32"), cache=cache)
     model = _offloaded(tiny_folder, mode="layerwise", prefetch_blocks=1)
-    latents, frames = _run(model, cache=cache)
+    latents, frames, report = _run(model, cache=cache, with_report=True)
+    assert all(expert.cached_steps for expert in report.experts)
     assert torch.equal(latents, expected[0]) and torch.equal(frames, expected[1])
     for expert in ("transformer", "transformer_2"):
         for event in model.offload.events:
@@ -107,10 +109,59 @@ def test_layerwise_with_cache_skips_blocks_keeps_the_bound_and_the_result(tiny_f
 
 
 @pytest.mark.parametrize("mode", ["model", "layerwise"])
-def test_every_parameter_of_every_component_is_covered(mode, tiny_folder):
+def test_every_parameter_and_buffer_is_covered_exactly_once(mode, tiny_folder):
     model = _offloaded(tiny_folder, mode=mode)
-    expected = {id(param) for name in COMPONENTS for param in getattr(model, name).parameters()}
-    assert model.offload.covered_parameters() == expected
+    units = model.offload.all_units()
+    params = [id(module._parameters[attr]) for unit in units for module, attr, is_param in unit.slots if is_param]
+    buffers = [(id(module), attr) for unit in units for module, attr, is_param in unit.slots if not is_param]
+    components = [getattr(model, name) for name in COMPONENTS]
+    expected_params = {id(param) for component in components for param in component.parameters()}
+    expected_buffers = {
+        (id(module), attr)
+        for component in components
+        for module in component.modules()
+        for attr, value in module._buffers.items()
+        if value is not None
+    }
+    assert len(params) == len(set(params)), "a shared parameter would be copied twice"
+    assert set(params) == expected_params
+    assert set(buffers) == expected_buffers
+
+
+def test_attaching_twice_does_not_stack_hooks_and_detach_restores_the_model(tiny_folder, reference):
+    model = _offloaded(tiny_folder, mode="layerwise", prefetch_blocks=1)
+    hooks = len(model.transformer._forward_pre_hooks), len(model.transformer.blocks[0]._forward_pre_hooks)
+    attach_offload(model, OffloadOptions(mode="layerwise", prefetch_blocks=2), SynchronousTransfer())
+    assert (len(model.transformer._forward_pre_hooks), len(model.transformer.blocks[0]._forward_pre_hooks)) == hooks
+    assert torch.equal(_run(model)[0], reference[0])
+    attach_offload(model, OffloadOptions(mode="none"))
+    assert not model.transformer._forward_pre_hooks and not model.transformer.blocks[0]._forward_pre_hooks
+    assert torch.equal(_run(model)[0], reference[0])
+
+
+def test_an_error_inside_a_block_leaves_nothing_on_the_device(tiny_folder, reference):
+    model = _offloaded(tiny_folder, mode="layerwise", prefetch_blocks=1)
+
+    class Boom(Exception):
+        pass
+
+    def explode(*_args):
+        raise Boom
+
+    handle = model.transformer.blocks[1].register_forward_pre_hook(explode)
+    with pytest.raises(Boom):
+        _run(model)
+    handle.remove()
+    assert model.offload.device_bytes() == 0
+    assert all(t.data_ptr() == h.data_ptr() for unit in model.offload.all_units() for t, h in _bound(unit))
+    assert torch.equal(_run(model)[0], reference[0])
+
+
+def _bound(unit):
+    """Pairs of (tensor the module uses now, the unit's host tensor)."""
+    for (module, attr, is_param), host in zip(unit.slots, unit.host, strict=True):
+        current = module._parameters[attr].data if is_param else module._buffers[attr]
+        yield current, host
 
 
 def test_a_block_list_the_offloader_does_not_know_is_refused(tiny_folder):
@@ -138,15 +189,14 @@ def test_invalid_offload_options_are_refused(options, message):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("mode", ["model", "layerwise"])
 def test_cuda_offload_matches_none_and_keeps_weights_off_the_device(mode, tiny_folder):
-    from wanvace_core.offload import make_transfer
-
     on_device = load_pipeline(tiny_folder, "bf16", device="cuda")
     expected = _run(on_device)
     del on_device
     model = load_pipeline(tiny_folder, "bf16", device="cpu")
     model.device = torch.device("cuda")
-    options = OffloadOptions(mode=mode, prefetch_blocks=1)
-    components = {name: getattr(model, name) for name in COMPONENTS}
-    attach_offload(model, options, make_transfer(options, model.device, components))
+    attach_offload(model, OffloadOptions(mode=mode, prefetch_blocks=1))
     latents, frames = _run(model)
     assert torch.equal(latents.cpu(), expected[0].cpu()) and torch.equal(frames, expected[1])
+    assert model.offload.device_bytes() <= model.offload.peak_device_bytes()
+    model.offload.release_all()
+    assert all(t.data_ptr() == h.data_ptr() for unit in model.offload.all_units() for t, h in _bound(unit))

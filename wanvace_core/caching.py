@@ -217,29 +217,36 @@ class CachedExperts:
                 ParamsModifier(cache_config=self._cache_config(run), calibrator_config=calibrator) for run in self.runs
             ],
         )
+        self._adapter = adapter  # set first: whatever enable_cache attaches before failing is released
         try:
-            self._adapter = cache_dit.enable_cache(
+            cache_dit.enable_cache(
                 adapter, cache_config=DBCacheConfig(num_inference_steps=None), calibrator_config=calibrator
             )
+            for run, expert in zip(self.runs, experts, strict=True):
+                if not getattr(expert, "_is_cached", False) or not hasattr(expert.blocks, "_forward_pattern"):
+                    raise WanVACECacheError(
+                        f"cache-dit did not take the block-level path for the {EXPERT_NAMES[run.attribute]} expert; "
+                        "refusing to run uncached while caching was asked for. Disconnect the cache input or "
+                        "install a cache-dit version that supports WanVACE (>= 1.5.3)."
+                    )
         except (AssertionError, ValueError, TypeError, AttributeError) as error:
-            raise WanVACECacheError(f"cache-dit could not be applied to the WanVACE experts: {error}") from error
-        for run, expert in zip(self.runs, experts, strict=True):
-            if not getattr(expert, "_is_cached", False) or not hasattr(expert.blocks, "_forward_pattern"):
-                if any(getattr(other, "_is_cached", False) for other in experts):
-                    self.__exit__(None, None, None)
-                self._adapter = None
-                raise WanVACECacheError(
-                    f"cache-dit did not take the block-level path for the {EXPERT_NAMES[run.attribute]} expert; "
-                    "refusing to run uncached while caching was asked for."
-                )
+            self.__exit__(None, None, None)
+            raise WanVACECacheError(
+                f"cache-dit could not be applied to the WanVACE experts: {error}. Disconnect the cache input or "
+                "check the cache settings."
+            ) from error
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
         return self
 
     def __exit__(self, *_exc) -> None:
-        if self._adapter is not None:
+        experts = [getattr(self.model, run.attribute) for run in self.runs]
+        if self._adapter is not None and any(getattr(expert, "_is_cached", False) for expert in experts):
             import cache_dit
 
             cache_dit.disable_cache(self._adapter)
-            self._adapter = None
+        self._adapter = None
         # disable_cache leaves the VACE patch functor's forwards in place (it computes every hint up front);
         # put our interleaved forwards back so uncached runs keep their lower activation peak.
         for snapshot in self._saved_forwards:

@@ -18,6 +18,7 @@ freed) is ordinary Python, tested on the CPU.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -30,6 +31,7 @@ from .interleave import execution_order
 logger = logging.getLogger(__name__)
 
 OFFLOAD_MODES = ("none", "model", "layerwise")
+_EVENT_HISTORY = 20_000
 COMPONENTS = ("text_encoder", "transformer", "transformer_2", "vae")
 EXPERTS = ("transformer", "transformer_2")
 
@@ -83,6 +85,12 @@ class Unit:
         self.slots = list(tensors)
         self.host = [self._get(module, attr, is_param) for module, attr, is_param in self.slots]
         self.nbytes = sum(tensor.numel() * tensor.element_size() for tensor in self.host)
+        self.staged_nbytes = sum(_padded(tensor) for tensor in self.host)
+        on_device = [tensor.device for tensor in self.host if tensor.device.type != "cpu"]
+        if on_device:
+            raise WanVACEError(
+                f"{name} has weights on {on_device[0]}; offload needs them in host memory (load with device='cpu')."
+            )
 
     @staticmethod
     def _get(module: torch.nn.Module, attr: str, is_param: bool) -> torch.Tensor:
@@ -101,13 +109,26 @@ class Unit:
     @classmethod
     def of_module(cls, name: str, module: torch.nn.Module, skip: tuple[str, ...] = ()) -> Unit:
         """Every parameter and buffer of `module` outside the child modules named in `skip`."""
-        slots = []
+        slots, seen = [], set()
         for module_name, submodule in module.named_modules():
             if any(module_name == prefix or module_name.startswith(prefix + ".") for prefix in skip):
                 continue
-            slots += [(submodule, attr, True) for attr, value in submodule._parameters.items() if value is not None]
+            for attr, value in submodule._parameters.items():
+                # A parameter shared by two modules (tied embeddings) moves once; both see the new data.
+                if value is not None and id(value) not in seen:
+                    seen.add(id(value))
+                    slots.append((submodule, attr, True))
             slots += [(submodule, attr, False) for attr, value in submodule._buffers.items() if value is not None]
         return cls(name, slots)
+
+
+_ALIGNMENT = 64
+
+
+def _padded(tensor: torch.Tensor) -> int:
+    """Bytes `tensor` takes in a staging buffer where every tensor starts on a 64-byte boundary."""
+    size = tensor.numel() * tensor.element_size()
+    return (size + _ALIGNMENT - 1) // _ALIGNMENT * _ALIGNMENT
 
 
 class Transfer(Protocol):
@@ -116,10 +137,16 @@ class Transfer(Protocol):
     device: torch.device
 
     def begin(self, unit: Unit) -> object:
-        """Starts copying; returns a handle for `finish`."""
+        """Starts copying; returns a handle for `finish` and `release`."""
 
     def finish(self, unit: Unit, handle: object) -> list[torch.Tensor]:
         """Waits for the copy; returns device tensors ready for the compute stream."""
+
+    def release(self, unit: Unit, handle: object) -> None:
+        """The unit's device tensors are no longer used by work queued from now on."""
+
+    def load(self, unit: Unit) -> list[torch.Tensor]:
+        """Copies a whole component synchronously (outside any ring); returns its device tensors."""
 
 
 def _copy_keeping_alignment(tensor: torch.Tensor) -> torch.Tensor:
@@ -149,13 +176,22 @@ class SynchronousTransfer:
     def finish(self, unit: Unit, handle: object) -> list[torch.Tensor]:
         return handle
 
+    def release(self, unit: Unit, handle: object) -> None:
+        pass
+
+    def load(self, unit: Unit) -> list[torch.Tensor]:
+        return self.begin(unit)
+
 
 class CudaStreamTransfer:
-    """Stages blocks through a ring of pinned host buffers and copies them on a side CUDA stream.
+    """Streams blocks through bounded rings: pinned host staging buffers and device slots.
 
-    Host tensors may be memory-mapped; only the ring is pinned, so pinned memory stays bounded by
-    `slots x slot_bytes` whatever the model size. Units larger than a slot (whole components) are
-    copied synchronously from pageable memory.
+    A block is copied host -> pinned slot (CPU) -> device slot (side stream); its parameters are
+    views of the device slot. A slot is refilled only after the compute stream has passed the point
+    where the block in it was released, so device memory for streamed blocks is exactly
+    `slots x slot_bytes` however far the CPU runs ahead. Host tensors may be memory-mapped; only the
+    staging ring is pinned. Units larger than a slot (whole components in `model` mode, the text
+    encoder and VAE) are copied synchronously from pageable memory.
     """
 
     def __init__(self, device: torch.device, slots: int, slot_bytes: int) -> None:
@@ -164,41 +200,62 @@ class CudaStreamTransfer:
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(device=self.device)
         self.slot_bytes = slot_bytes
-        self.ring = [torch.empty(slot_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(slots)]
-        self.ready = [None] * slots
+        try:
+            self.pinned = [torch.empty(slot_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(slots)]
+            self.slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(slots)]
+        except RuntimeError as error:
+            raise WanVACEError(
+                f"Could not allocate {slots} offload slots of {slot_bytes / 2**20:.0f} MB ({error}); lower "
+                "prefetch_blocks or max_pinned_mb."
+            ) from error
+        self.copied = [None] * slots  # event: the copy out of pinned slot i has finished
+        self.freed = [None] * slots  # event on the compute stream: the block last in device slot i is done
+        self.in_use = [False] * slots
         self.next_slot = 0
 
+    def load(self, unit: Unit) -> list[torch.Tensor]:
+        return [tensor.to(self.device) for tensor in unit.host]
+
     def begin(self, unit: Unit) -> object:
-        if unit.nbytes > self.slot_bytes:
-            return [tensor.to(self.device) for tensor in unit.host]
+        if unit.staged_nbytes > self.slot_bytes or not self.slots:
+            return None, self.load(unit)
         slot = self.next_slot
-        self.next_slot = (slot + 1) % len(self.ring)
-        if self.ready[slot] is not None:
-            self.ready[slot].synchronize()  # the previous copy out of this buffer must be done
-        staging, offset, device_tensors = self.ring[slot], 0, []
+        if self.in_use[slot]:
+            raise WanVACEError(f"offload ring overrun: slot {slot} is still held when {unit.name} needs it.")
+        self.in_use[slot] = True
+        self.next_slot = (slot + 1) % len(self.slots)
+        if self.copied[slot] is not None:
+            self.copied[slot].synchronize()  # the pinned buffer is about to be overwritten
+        staging, target, offset, views = self.pinned[slot], self.slots[slot], 0, []
+        for tensor in unit.host:
+            size = tensor.numel() * tensor.element_size()
+            staging[offset : offset + size].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+            views.append(target[offset : offset + size].view(tensor.dtype).view(tensor.shape))
+            offset += _padded(tensor)
         with torch.cuda.stream(self.stream):
-            for tensor in unit.host:
-                size = tensor.numel() * tensor.element_size()
-                alignment = 64
-                offset = (offset + alignment - 1) // alignment * alignment
-                pinned = staging[offset : offset + size].view(tensor.dtype).view(tensor.shape)
-                pinned.copy_(tensor)
-                device_tensors.append(pinned.to(self.device, non_blocking=True))
-                offset += size
+            if self.freed[slot] is not None:
+                self.stream.wait_event(self.freed[slot])
+            target[:offset].copy_(staging[:offset], non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.stream)
-        self.ready[slot] = event
-        return device_tensors, event
+        self.copied[slot] = event
+        return slot, (views, event)
 
     def finish(self, unit: Unit, handle: object) -> list[torch.Tensor]:
-        if isinstance(handle, list):
-            return handle
-        device_tensors, event = handle
-        compute = torch.cuda.current_stream(self.device)
-        compute.wait_event(event)
-        for tensor in device_tensors:
-            tensor.record_stream(compute)
-        return device_tensors
+        slot, payload = handle
+        if slot is None:
+            return payload
+        views, event = payload
+        torch.cuda.current_stream(self.device).wait_event(event)
+        return views
+
+    def release(self, unit: Unit, handle: object) -> None:
+        slot, _payload = handle
+        if slot is not None:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            self.freed[slot] = event
+            self.in_use[slot] = False
 
 
 @dataclass
@@ -216,8 +273,8 @@ class _BlockStreamer:
         self.order = execution_order(expert)
         self.position = {name: index for index, name in enumerate(self.order)}
         self.units = {name: Unit.of_module(f"{expert_name}.{name}", expert.get_submodule(name)) for name in self.order}
-        self.pending: dict[str, object] = {}
-        self.bound: set[str] = set()
+        self.pending: dict[str, object] = {}  # name -> transfer handle, copy in flight
+        self.bound: dict[str, object] = {}  # name -> transfer handle, parameters point at device copies
         self.handles = [expert.register_forward_pre_hook(self._forward_start)]
         self.handles.append(expert.register_forward_hook(self._forward_end))
         for name in self.order:
@@ -227,7 +284,7 @@ class _BlockStreamer:
 
     @property
     def resident(self) -> set[str]:
-        return set(self.pending) | self.bound
+        return set(self.pending) | set(self.bound)
 
     def _prefetch(self, names: list[str]) -> None:
         for name in names:
@@ -240,6 +297,7 @@ class _BlockStreamer:
         return self.order[start + 1 : start + 1 + self.owner.options.prefetch_blocks]
 
     def _forward_start(self, *_args) -> None:
+        self._forward_end()  # a forward that raised may have left blocks behind
         self._prefetch(self.order[: self.owner.options.prefetch_blocks])
 
     def before_block(self, name: str) -> None:
@@ -250,26 +308,27 @@ class _BlockStreamer:
             if name not in self.pending:
                 self._prefetch([name])
             unit = self.units[name]
-            unit.bind(self.owner.transfer.finish(unit, self.pending.pop(name)))
-            self.bound.add(name)
+            handle = self.pending.pop(name)
+            unit.bind(self.owner.transfer.finish(unit, handle))
+            self.bound[name] = handle
         self._prefetch(self._window(name))
 
     def after_block(self, name: str) -> None:
         self.release(name)
 
     def release(self, name: str) -> None:
+        unit = self.units[name]
         if name in self.bound:
-            self.units[name].unbind()
-            self.bound.discard(name)
-        self.pending.pop(name, None)
-        self.owner.record("offload", self.units[name].name)
+            unit.unbind()
+            handle = self.bound.pop(name)
+        else:
+            handle = self.pending.pop(name)
+        self.owner.transfer.release(unit, handle)
+        self.owner.record("offload", unit.name)
 
     def _forward_end(self, *_args) -> None:
-        for name in sorted(self.resident):
+        for name in sorted(self.resident, key=self.position.__getitem__):
             self.release(name)
-
-    def covered_parameters(self) -> set[int]:
-        return {id(slot[0]._parameters[slot[1]]) for unit in self.units.values() for slot in unit.slots if slot[2]}
 
 
 class Offloader:
@@ -278,8 +337,10 @@ class Offloader:
     def __init__(self, components: dict[str, torch.nn.Module], options: OffloadOptions, transfer: Transfer) -> None:
         self.options = options
         self.transfer = transfer
-        self.events: list[OffloadEvent] = []
+        # Bounded: a long-running server must not keep every event of every run.
+        self.events: deque[OffloadEvent] = deque(maxlen=_EVENT_HISTORY)
         self.active: str | None = None
+        self._hooks: list = []
         # Called as on_activate(component, peak_device_bytes) before weights move, so a host application
         # (ComfyUI) can make room on the device first.
         self.on_activate = None
@@ -291,7 +352,7 @@ class Offloader:
             if name in EXPERTS:
                 # Registered before the streamer's hooks: activating releases other units first, then the
                 # streamer prefetches this expert's first blocks.
-                module.register_forward_pre_hook(lambda *_, _name=name: self.activate(_name))
+                self._hooks.append(module.register_forward_pre_hook(lambda *_, _name=name: self.activate(_name)))
             if streamed:
                 missing = undeclared_block_lists(module)
                 if missing:
@@ -304,8 +365,17 @@ class Offloader:
             self.units[name] = Unit.of_module(name, module, skip=skip)
 
     def record(self, kind: str, unit: str) -> None:
-        resident = [unit_name for unit_name in self._resident_names()]
-        self.events.append(OffloadEvent(kind, unit, tuple(resident)))
+        self.events.append(OffloadEvent(kind, unit, tuple(self._resident_names())))
+
+    def detach(self) -> None:
+        """Releases everything and removes every hook; the modules behave as if never offloaded."""
+        self.release_all()
+        for handle in self._hooks:
+            handle.remove()
+        for streamer in self.streamers.values():
+            for handle in streamer.handles:
+                handle.remove()
+        self._hooks, self.streamers = [], {}
 
     def _resident_names(self) -> list[str]:
         names = [] if self.active is None else [self.active]
@@ -319,33 +389,33 @@ class Offloader:
             return
         self.release_all()
         if self.on_activate is not None:
-            self.on_activate(name, self.peak_device_bytes())
+            self.on_activate(name, self.peak_device_bytes(name))
         unit = self.units[name]
-        unit.bind(self.transfer.finish(unit, self.transfer.begin(unit)))
+        unit.bind(self.transfer.load(unit))
         self.active = name
         self.record("onload", name)
 
     def release_all(self) -> None:
         """Sends every weight back to host memory (also used when ComfyUI asks to free memory)."""
         for streamer in self.streamers.values():
-            for block in sorted(streamer.resident):
-                streamer.release(block)
+            streamer._forward_end()
         if self.active is not None:
             self.units[self.active].unbind()
             released, self.active = self.active, None
             self.record("offload", released)
             logger.debug("WanVACE offload: %s back in host memory", released)
 
-    def peak_device_bytes(self) -> int:
-        """The most weight bytes this offloader ever holds on the device at once."""
-        peak = 0
-        for name, unit in self.units.items():
+    def peak_device_bytes(self, name: str | None = None) -> int:
+        """The most weight bytes held on the device while `name` (or, by default, any component) is active."""
+        peaks = []
+        for component, unit in self.units.items():
             streamed = 0
-            if name in self.streamers:
-                sizes = sorted((block.nbytes for block in self.streamers[name].units.values()), reverse=True)
+            if component in self.streamers:
+                sizes = sorted((block.nbytes for block in self.streamers[component].units.values()), reverse=True)
                 streamed = sum(sizes[: self.options.prefetch_blocks + 1])
-            peak = max(peak, unit.nbytes + streamed)
-        return peak
+            if name is None or component == name:
+                peaks.append(unit.nbytes + streamed)
+        return max(peaks, default=0)
 
     def device_bytes(self) -> int:
         """Bytes of weights this offloader currently holds on the device."""
@@ -354,17 +424,15 @@ class Offloader:
             total += sum(streamer.units[name].nbytes for name in streamer.resident)
         return total
 
-    def covered_parameters(self) -> set[int]:
-        covered = {id(slot[0]._parameters[slot[1]]) for unit in self.units.values() for slot in unit.slots if slot[2]}
+    def all_units(self) -> list[Unit]:
+        units = list(self.units.values())
         for streamer in self.streamers.values():
-            covered |= streamer.covered_parameters()
-        return covered
+            units += streamer.units.values()
+        return units
 
 
 class NoOffload:
     """Mode `none`: weights were loaded onto the device and stay there."""
-
-    options = OffloadOptions()
 
     def activate(self, name: str) -> None:
         pass
@@ -375,38 +443,42 @@ class NoOffload:
     def device_bytes(self) -> int:
         return 0
 
+    def detach(self) -> None:
+        pass
 
-def make_transfer(options: OffloadOptions, device: torch.device, components: dict[str, torch.nn.Module]) -> Transfer:
-    """The transfer for `device`: a pinned ring on CUDA, synchronous copies elsewhere."""
+
+def make_transfer(options: OffloadOptions, device: torch.device, offloader: Offloader) -> Transfer:
+    """The transfer for `device`: bounded rings on CUDA (layerwise), synchronous copies elsewhere."""
     device = torch.device(device)
     if device.type != "cuda":
         return SynchronousTransfer(device)
-    largest_block = max(
-        (
-            sum(p.numel() * p.element_size() for p in module.get_submodule(name).parameters())
-            for key, module in components.items()
-            if key in EXPERTS and module is not None
-            for name in execution_order(module)
-        ),
-        default=0,
-    )
+    blocks = [unit for streamer in offloader.streamers.values() for unit in streamer.units.values()]
+    if not blocks:  # `model` mode moves whole components, which never go through the ring
+        return CudaStreamTransfer(device, slots=0, slot_bytes=0)
+    slot_bytes = max(unit.staged_nbytes for unit in blocks)
     slots = options.prefetch_blocks + 1
     if options.max_pinned_mb:
         budget = options.max_pinned_mb * 2**20
-        if budget < largest_block:
+        if budget < slot_bytes:
             raise WanVACEInputError(
-                f"max_pinned_mb={options.max_pinned_mb} is smaller than one block ({largest_block / 2**20:.0f} MB); "
+                f"max_pinned_mb={options.max_pinned_mb} is smaller than one block ({slot_bytes / 2**20:.0f} MB); "
                 "raise it or set 0 for automatic."
             )
-        slots = max(1, min(slots, budget // largest_block))
-    return CudaStreamTransfer(device, slots=slots, slot_bytes=largest_block + 64 * 64)
+        slots = max(1, min(slots, budget // slot_bytes))
+    return CudaStreamTransfer(device, slots=slots, slot_bytes=slot_bytes)
 
 
 def attach_offload(model, options: OffloadOptions, transfer: Transfer | None = None) -> None:
-    """Attaches an offloader to a loaded `WanVACEModel` whose weights sit in host memory."""
+    """Attaches an offloader to a loaded `WanVACEModel` whose weights sit in host memory.
+
+    A previously attached offloader is detached first, so attaching twice never stacks hooks.
+    """
+    model.offload.detach()
     if options.mode == "none":
         model.offload = NoOffload()
         return
     components = {name: getattr(model, name) for name in COMPONENTS}
-    transfer = transfer or make_transfer(options, model.device, components)
-    model.offload = Offloader(components, options, transfer)
+    offloader = Offloader(components, options, transfer or SynchronousTransfer(model.device))
+    if transfer is None:
+        offloader.transfer = make_transfer(options, model.device, offloader)
+    model.offload = offloader

@@ -128,6 +128,16 @@ def _check_conditioning_matches(model: WanVACEModel, cond: VACEConditioning) -> 
         )
 
 
+@contextlib.contextmanager
+def _released_on_error(model: WanVACEModel):
+    """A run that raises (cancel, OOM) must not leave weights on the device until the next prompt."""
+    try:
+        yield
+    except BaseException:
+        model.offload.release_all()
+        raise
+
+
 def _expert_runs(model: WanVACEModel, plan: _ExpertPlan, timesteps, settings: SamplerSettings) -> list[ExpertRun]:
     counts: dict[str, int] = {}
     guidance: dict[str, float] = {}
@@ -156,7 +166,7 @@ def sample(
     cached = None if cache is None else CachedExperts(model, cache, _expert_runs(model, plan, timesteps, settings))
     latents = initial_noise(model, cond, settings.seed)
     dtype = model.transformer_dtype
-    with cached if cached is not None else contextlib.nullcontext():
+    with _released_on_error(model), cached if cached is not None else contextlib.nullcontext():
         for index, t in enumerate(timesteps):
             expert, guidance = plan.pick(model, t, settings)
             latent_input = latents.to(dtype)
