@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import comfy.model_management
@@ -21,6 +22,7 @@ from .memory import cooperate
 from .types import CATEGORY, WanVACEModelType, WanVACEOffloadType
 
 MODEL_FOLDER = "diffusers"
+logger = logging.getLogger(__name__)
 
 
 def _model_roots() -> list[str]:
@@ -93,7 +95,19 @@ class WanVACEModelLoader(io.ComfyNode):
         device = comfy.model_management.get_torch_device()
         folder = resolve_model_folder(model_name)
         if offload is None or offload.mode == "none":
+            if device.type != "cpu":
+                # Everything goes straight onto the GPU: let ComfyUI unload its own models first.
+                weights = sum(
+                    path.stat().st_size
+                    for files in inspect_pipeline_folder(folder).components.values()
+                    for path in files.weight_files
+                )
+                comfy.model_management.free_memory(weights, device)
             return io.NodeOutput(load_pipeline(folder, dtype, device))
+        if device.type == "cpu":
+            logger.warning(
+                "WanVACE offload mode %r on a CPU-only ComfyUI only adds copying; use mode 'none' there.", offload.mode
+            )
         # Weights stay in host memory (memory-mapped where the dtype matches the files) and move on demand.
         model = load_pipeline(folder, dtype, "cpu")
         model.device = device
