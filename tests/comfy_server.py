@@ -288,8 +288,22 @@ class ComfyServer:
         self.post("/interrupt", {"prompt_id": prompt_id} if prompt_id else {}).raise_for_status()
 
     def free(self, unload_models: bool = True, free_memory: bool = True) -> None:
+        """POST /free, then make sure the prompt worker has acted on it.
+
+        ComfyUI 0.3.75's worker reads the free flags only when its queue wait returns. A /free that
+        lands while the worker is between prompts (say in gc) loses its wake-up and waits for the next
+        prompt, up to 1000 s later; queueing a tiny core-only prompt right after makes that prompt the
+        wake-up, and the flags are applied as soon as it finishes.
+        """
         payload = {"unload_models": unload_models, "free_memory": free_memory}
         self.post("/free", payload).raise_for_status()
+        wake = {
+            "1": {"class_type": "EmptyImage", "inputs": {"width": 8, "height": 8, "batch_size": 1, "color": 0}},
+            "2": {"class_type": "PreviewImage", "inputs": {"images": ["1", 0]}},
+        }
+        result = self.run_prompt(wake, timeout=120)
+        if result.status != "success":
+            raise RuntimeError(f"the wake-up prompt after /free ended with {result.status}: {result.error}")
 
     def history(self, prompt_id: str) -> dict | None:
         """The history entry for prompt_id, or None while ComfyUI has none."""

@@ -51,7 +51,7 @@ def test_offload_modes_match_no_offload_and_obey_comfyui_unload(offload, comfy_s
     assert torch.equal(first, plain)
 
     releases = comfy_server.log_text().count(RELEASED)
-    comfy_server.post("/free", {"unload_models": True}).raise_for_status()
+    comfy_server.free(unload_models=True, free_memory=False)
     deadline = time.monotonic() + 30
     while comfy_server.log_text().count(RELEASED) == releases and time.monotonic() < deadline:
         time.sleep(0.5)
