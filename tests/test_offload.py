@@ -200,3 +200,29 @@ def test_cuda_offload_matches_none_and_keeps_weights_off_the_device(mode, tiny_f
     assert model.offload.device_bytes() <= model.offload.peak_device_bytes()
     model.offload.release_all()
     assert all(t.data_ptr() == h.data_ptr() for unit in model.offload.all_units() for t, h in _bound(unit))
+
+
+def test_layerwise_follows_cache_dit_block_order_while_caching(tiny_folder):
+    from wanvace_core.interleave import stock_execution_order
+
+    never = ExpertCacheLimits(max_warmup_steps=1000)
+    model = _offloaded(tiny_folder, mode="layerwise", prefetch_blocks=1)
+    _run(model, cache=CacheOptions(high_noise=never, low_noise=never))
+    order = stock_execution_order(model.transformer)
+    assert order[:3] == ["vace_blocks.0", "vace_blocks.1", "blocks.0"]
+    for expert in ("transformer", "transformer_2"):
+        onloads = [
+            event.unit.removeprefix(expert + ".")
+            for event in model.offload.events
+            if event.kind == "onload" and event.unit.startswith(expert + ".")
+        ]
+        assert onloads == order * (len(onloads) // len(order)) and onloads
+    # Back to the interleaved order once caching is off again.
+    model.offload.events.clear()
+    _run(model)
+    onloads = [
+        event.unit.removeprefix("transformer.")
+        for event in model.offload.events
+        if event.kind == "onload" and event.unit.startswith("transformer.")
+    ]
+    assert onloads[:3] == ["vace_blocks.0", "blocks.0", "blocks.1"]

@@ -21,6 +21,18 @@ from diffusers.models.modeling_outputs import Transformer2DModelOutput
 _STOCK_FORWARD = "_wanvace_stock_forward"
 
 
+def stock_execution_order(transformer: torch.nn.Module) -> list[str]:
+    """Block names in the order diffusers' (and cache-dit's VACE functor's) forward runs them: hints first."""
+    return [f"vace_blocks.{index}" for index in range(len(transformer.vace_blocks))] + [
+        f"blocks.{index}" for index in range(len(transformer.blocks))
+    ]
+
+
+def current_execution_order(transformer: torch.nn.Module) -> list[str]:
+    """The block order of whichever forward the transformer has right now."""
+    return execution_order(transformer) if uses_interleaved_vace(transformer) else stock_execution_order(transformer)
+
+
 def execution_order(transformer: torch.nn.Module) -> list[str]:
     """Block names in the order the interleaved forward runs them."""
     vace_position = {layer: index for index, layer in enumerate(transformer.config.vace_layers)}

@@ -26,7 +26,7 @@ from typing import Protocol
 import torch
 
 from .errors import WanVACEError, WanVACEInputError
-from .interleave import execution_order
+from .interleave import current_execution_order, execution_order
 
 logger = logging.getLogger(__name__)
 
@@ -270,6 +270,7 @@ class _BlockStreamer:
 
     def __init__(self, owner: Offloader, expert_name: str, expert: torch.nn.Module) -> None:
         self.owner = owner
+        self.expert = expert
         self.order = execution_order(expert)
         self.position = {name: index for index, name in enumerate(self.order)}
         self.units = {name: Unit.of_module(f"{expert_name}.{name}", expert.get_submodule(name)) for name in self.order}
@@ -298,6 +299,9 @@ class _BlockStreamer:
 
     def _forward_start(self, *_args) -> None:
         self._forward_end()  # a forward that raised may have left blocks behind
+        # Under Cache-DiT the VACE functor's forward runs every VACE block first: stream in that order then.
+        self.order = current_execution_order(self.expert)
+        self.position = {name: index for index, name in enumerate(self.order)}
         self._prefetch(self.order[: self.owner.options.prefetch_blocks])
 
     def before_block(self, name: str) -> None:
