@@ -59,5 +59,9 @@ def test_peak_host_memory_while_loading_stays_near_component_size(dtype, transfo
         assert set(result["param_dtypes"]) == {"bfloat16", "float32"}, report
     assert result["private_above_baseline"] <= budget, report
     assert result["total_above_baseline"] <= budget, report
+    if dtype == "bf16":
+        # bf16 tensors of a bf16 file are used in place (memory-mapped); only the fp32-kept modules are
+        # private copies, a few percent of the model. A loader that copies everything would sit near 1.0x.
+        assert result["private_above_baseline"] <= 0.1 * size + ALLOWANCE, report
     # Nothing of the load is left behind but the weights themselves.
     assert result["private_after"] + result["file_after"] <= size + ALLOWANCE, report
