@@ -99,7 +99,7 @@ class WanVACEModelLoader(io.ComfyNode):
                 # Everything goes straight onto the GPU: let ComfyUI unload its own models first.
                 weights = sum(
                     path.stat().st_size
-                    for files in inspect_pipeline_folder(folder).components.values()
+                    for files in inspect_pipeline_folder(folder, check_weights=False).components.values()
                     for path in files.weight_files
                 )
                 comfy.model_management.free_memory(weights, device)

@@ -38,10 +38,6 @@ class PipelineFolder:
     boundary_ratio: float | None
     components: dict[str, ComponentFiles]
 
-    @property
-    def has_two_experts(self) -> bool:
-        return "transformer" in self.components and "transformer_2" in self.components
-
 
 def _listed_components(model_index: dict) -> set[str]:
     # model_index.json lists a missing optional component as [null, null].

@@ -33,9 +33,14 @@ def current_execution_order(transformer: torch.nn.Module) -> list[str]:
     return execution_order(transformer) if uses_interleaved_vace(transformer) else stock_execution_order(transformer)
 
 
+def _vace_positions(config) -> dict[int, int]:
+    """Main-block index -> index of the VACE block whose hint it consumes."""
+    return {layer: index for index, layer in enumerate(config.vace_layers)}
+
+
 def execution_order(transformer: torch.nn.Module) -> list[str]:
     """Block names in the order the interleaved forward runs them."""
-    vace_position = {layer: index for index, layer in enumerate(transformer.config.vace_layers)}
+    vace_position = _vace_positions(transformer.config)
     order = []
     for index in range(len(transformer.blocks)):
         if index in vace_position:
@@ -103,7 +108,7 @@ def _interleaved_forward(
 
     # Every VACE block reads the patch-embedded input, not the running main-branch state.
     vace_input = hidden_states
-    vace_position = {layer: index for index, layer in enumerate(self.config.vace_layers)}
+    vace_position = _vace_positions(self.config)
     for index, block in enumerate(self.blocks):
         hint = None
         if index in vace_position:

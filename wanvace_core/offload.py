@@ -350,8 +350,9 @@ class Offloader:
         self.on_activate = None
         self.units: dict[str, Unit] = {}
         self.streamers: dict[str, _BlockStreamer] = {}
-        self.components = {name: module for name, module in components.items() if module is not None}
-        for name, module in self.components.items():
+        for name, module in components.items():
+            if module is None:
+                continue
             streamed = options.mode == "layerwise" and name in EXPERTS
             if name in EXPERTS:
                 # Registered before the streamer's hooks: activating releases other units first, then the
