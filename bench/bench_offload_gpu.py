@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from wanvace_core.interleave import apply_interleaved_vace
 from wanvace_core.memory import read_status
-from wanvace_core.offload import EXPERTS, Offloader, OffloadOptions, SynchronousTransfer, make_transfer
+from wanvace_core.offload import EXPERTS, Offloader, OffloadOptions
 
 A14B = {
     "patch_size": (1, 2, 2),
@@ -93,8 +93,7 @@ def _run_mode(mode: str, experts, inputs, args) -> dict:
             expert.to("cuda")
     else:
         options = OffloadOptions(mode=mode, prefetch_blocks=args.prefetch, max_pinned_mb=args.max_pinned_mb)
-        offloader = Offloader(components, options, SynchronousTransfer(torch.device("cuda")))
-        offloader.transfer = make_transfer(options, torch.device("cuda"), offloader)
+        offloader = Offloader(components, options, device="cuda")
     try:
         return _measure(experts, inputs, args, mode)
     finally:

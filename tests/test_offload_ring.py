@@ -1,0 +1,136 @@
+"""The CUDA layerwise ring (`RingTransfer`) driven on the CPU through simulated streams.
+
+The same ring code runs on a GPU with `CudaStreamOps`; here `SimulatedStreamOps` runs side-stream
+copies as late as CUDA may, poisons fresh buffers, and raises on the ordering hazards that an eager
+CPU cannot show as wrong numbers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.simulated_streams import ForgetsHostSync, ForgetsStreamWaits, SimulatedStreamOps, StreamHazard
+from tests.test_offload import _run
+from wanvace_core import (
+    CacheOptions,
+    ExpertCacheLimits,
+    OffloadOptions,
+    WanVACEError,
+    WanVACEInputError,
+    attach_offload,
+    load_pipeline,
+)
+from wanvace_core.transfer import RingTransfer, Unit, ring_transfer
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_folder):
+    return _run(load_pipeline(tiny_folder, "fp32"))
+
+
+def _ring_model(tiny_folder, ops, **options):
+    model = load_pipeline(tiny_folder, "fp32")
+    attach_offload(model, OffloadOptions(mode="layerwise", **options), stream_ops=ops)
+    assert isinstance(model.offload.transfer, RingTransfer)
+    return model
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 3])
+def test_ring_results_are_bitwise_equal_and_device_memory_is_the_ring(prefetch, tiny_folder, reference):
+    ops = SimulatedStreamOps()
+    model = _ring_model(tiny_folder, ops, prefetch_blocks=prefetch)
+    ring = model.offload.transfer
+    latents, frames = _run(model)
+    assert torch.equal(latents, reference[0]) and torch.equal(frames, reference[1])
+    assert ring.capacity == prefetch + 1
+    assert ops.copies_run > 0
+    # Streaming every block of every pass allocated no more than the slots, however long the run.
+    assert ops.peak_device_bytes == ring.capacity * ring.slot_bytes
+    blocks = [unit for streamer in model.offload.streamers.values() for unit in streamer.units.values()]
+    assert ring.slot_bytes == max(unit.staged_nbytes for unit in blocks)
+    assert sum(buffer.numel() for buffer in ring.pinned) == ring.capacity * ring.slot_bytes
+    for event in model.offload.events:
+        for expert in ("transformer", "transformer_2"):
+            assert len([name for name in event.resident if name.startswith(expert + ".")]) <= prefetch + 1
+
+
+def test_ring_gives_its_device_slots_back_on_release_and_reallocates_on_the_next_run(tiny_folder, reference):
+    ops = SimulatedStreamOps()
+    model = _ring_model(tiny_folder, ops, prefetch_blocks=1)
+    _run(model)
+    model.offload.release_all()
+    assert model.offload.device_bytes() == 0 and model.offload.transfer.device_slots is None
+    assert ops.pending() == 0
+    latents, frames = _run(model)
+    assert torch.equal(latents, reference[0]) and torch.equal(frames, reference[1])
+
+
+def test_ring_with_cache_skips_releases_unused_prefetches_safely(tiny_folder):
+    eager = ExpertCacheLimits(max_warmup_steps=1)
+    cache = CacheOptions(residual_diff_threshold=0.2, high_noise=eager, low_noise=eager)
+    expected = _run(load_pipeline(tiny_folder, "fp32"), cache=cache)
+    model = _ring_model(tiny_folder, SimulatedStreamOps(), prefetch_blocks=2)
+    latents, frames, report = _run(model, cache=cache, with_report=True)
+    assert all(expert.cached_steps for expert in report.experts)
+    assert torch.equal(latents, expected[0]) and torch.equal(frames, expected[1])
+
+
+def test_a_ring_smaller_than_the_prefetch_window_prefetches_less(tiny_folder, reference):
+    model = load_pipeline(tiny_folder, "fp32")
+    sized = _ring_model(tiny_folder, SimulatedStreamOps(), prefetch_blocks=0).offload.transfer.slot_bytes
+    ring = RingTransfer(SimulatedStreamOps(), slots=2, slot_bytes=sized)
+    attach_offload(model, OffloadOptions(mode="layerwise", prefetch_blocks=3), ring)
+    assert model.offload.prefetch_blocks == 1
+    latents, frames = _run(model)
+    assert torch.equal(latents, reference[0]) and torch.equal(frames, reference[1])
+    assert max(len(event.resident) for event in model.offload.events) <= 3  # expert's own weights + 2 blocks
+
+
+@pytest.mark.parametrize("ops_class", [ForgetsStreamWaits, ForgetsHostSync])
+def test_the_simulation_catches_a_ring_that_skips_an_ordering_step(ops_class, tiny_folder):
+    model = _ring_model(tiny_folder, ops_class(), prefetch_blocks=1)
+    with pytest.raises(StreamHazard):
+        _run(model)
+
+
+class _Holder(torch.nn.Module):
+    def __init__(self, megabytes: float) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(int(megabytes * 2**20) // 4), requires_grad=False)
+
+
+def _unit(name: str, megabytes: float) -> Unit:
+    return Unit.of_module(name, _Holder(megabytes))
+
+
+def test_ring_size_follows_prefetch_and_the_pinned_cap():
+    blocks = [_unit("a", 1.5), _unit("b", 1.0)]
+    ops = SimulatedStreamOps()
+    assert ring_transfer(ops, blocks, prefetch_blocks=3, max_pinned_mb=0).capacity == 4
+    capped = ring_transfer(ops, blocks, prefetch_blocks=3, max_pinned_mb=4)
+    assert capped.capacity == 2 and capped.slot_bytes == blocks[0].staged_nbytes
+    assert ring_transfer(ops, blocks, prefetch_blocks=1, max_pinned_mb=100).capacity == 2
+    with pytest.raises(WanVACEInputError, match="max_pinned_mb=1 "):
+        ring_transfer(ops, blocks, prefetch_blocks=1, max_pinned_mb=1)
+
+
+def test_ring_reuses_whichever_slot_is_free_and_refuses_to_overrun():
+    ops = SimulatedStreamOps()
+    units = [_unit(name, 0.25) for name in "abcd"]
+    for index, unit in enumerate(units):
+        unit.host[0].fill_(index + 1)
+    ring = RingTransfer(ops, slots=2, slot_bytes=units[0].staged_nbytes)
+    first, second = ring.begin(units[0]), ring.begin(units[1])
+    assert torch.all(ring.finish(units[1], second)[0] == 2)
+    ring.release(units[1], second)  # out of order: the second slot frees first
+    third = ring.begin(units[2])
+    assert third.slot == second.slot
+    with pytest.raises(WanVACEError, match="overrun"):
+        ring.begin(units[3])
+    assert torch.all(ring.finish(units[0], first)[0] == 1)
+    assert torch.all(ring.finish(units[2], third)[0] == 3)
+    for unit, handle in ((units[0], first), (units[2], third)):
+        ring.release(unit, handle)
+    ring.close()
+    assert ops.pending() == 0
