@@ -43,7 +43,8 @@ class WanVACEOffloadOptions(io.ComfyNode):
                     min=0,
                     max=1 << 20,
                     tooltip="layerwise: cap on pinned host memory for the staging ring; 0 = (prefetch_blocks + 1) "
-                    "blocks. Weights themselves stay memory-mapped, never pinned.",
+                    "blocks (~1.6 GB for A14B at prefetch 1). A cap below that prefetches fewer blocks. Weights "
+                    "themselves stay memory-mapped, never pinned.",
                 ),
             ],
             outputs=[WanVACEOffloadType.Output(display_name="offload", tooltip="Offload settings for the loader.")],

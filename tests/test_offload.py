@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
+import sys
+
 import pytest
 import torch
 
@@ -226,3 +229,46 @@ def test_layerwise_follows_cache_dit_block_order_while_caching(tiny_folder):
         if event.kind == "onload" and event.unit.startswith("transformer.")
     ]
     assert onloads[:3] == ["vace_blocks.0", "blocks.0", "blocks.1"]
+
+
+def _file_mappings() -> list[tuple[int, int]]:
+    """Address ranges of this process's memory-mapped safetensors files."""
+    ranges = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            if len(fields) >= 6 and fields[5].endswith(".safetensors"):
+                start, end = (int(value, 16) for value in fields[0].split("-"))
+                ranges.append((start, end))
+    return ranges
+
+
+@pytest.fixture(scope="module")
+def bf16_folder(tiny_folder, tmp_path_factory):
+    """The tiny pipeline with its experts stored in bf16, as the released A14B experts are."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path_factory.mktemp("bf16") / "wanvace-tiny-bf16"
+    shutil.copytree(tiny_folder, folder)
+    for path in [*folder.glob("transformer/*.safetensors"), *folder.glob("transformer_2/*.safetensors")]:
+        tensors = {key: value.to(torch.bfloat16) for key, value in load_file(path).items()}
+        save_file(tensors, path, metadata={"format": "pt"})
+    return folder
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+@pytest.mark.parametrize("mode", ["model", "layerwise"])
+def test_offloaded_bf16_experts_stay_memory_mapped_in_host_memory(mode, bf16_folder):
+    # The idle expert must cost page cache, not private RAM: offload keeps the loader's in-place views.
+    model = load_pipeline(bf16_folder, "bf16", device="cpu")
+    attach_offload(model, OffloadOptions(mode=mode, prefetch_blocks=1), SynchronousTransfer())
+    _run(model)
+    mappings = _file_mappings()
+    for expert in ("transformer", "transformer_2"):
+        units = [unit for unit in model.offload.all_units() if unit.name.split(".")[0] == expert]
+        host = [tensor for unit in units for tensor in unit.host if tensor.dtype == torch.bfloat16]
+        assert host and all(tensor.device.type == "cpu" for tensor in host)
+        outside = [t.shape for t in host if not any(start <= t.data_ptr() < end for start, end in mappings)]
+        assert not outside, f"{expert}: {len(outside)} of {len(host)} bf16 weights copied into private memory"
+        # Between runs every module points at those same host tensors again.
+        assert all(current.data_ptr() == kept.data_ptr() for unit in units for current, kept in _bound(unit))

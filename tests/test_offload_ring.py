@@ -29,6 +29,11 @@ def reference(tiny_folder):
     return _run(load_pipeline(tiny_folder, "fp32"))
 
 
+def _observed_run(model, ops, **kwargs):
+    with ops.observing_compute():
+        return _run(model, **kwargs)
+
+
 def _ring_model(tiny_folder, ops, **options):
     model = load_pipeline(tiny_folder, "fp32")
     attach_offload(model, OffloadOptions(mode="layerwise", **options), stream_ops=ops)
@@ -41,7 +46,7 @@ def test_ring_results_are_bitwise_equal_and_device_memory_is_the_ring(prefetch, 
     ops = SimulatedStreamOps()
     model = _ring_model(tiny_folder, ops, prefetch_blocks=prefetch)
     ring = model.offload.transfer
-    latents, frames = _run(model)
+    latents, frames = _observed_run(model, ops)
     assert torch.equal(latents, reference[0]) and torch.equal(frames, reference[1])
     assert ring.capacity == prefetch + 1
     assert ops.copies_run > 0
@@ -58,11 +63,11 @@ def test_ring_results_are_bitwise_equal_and_device_memory_is_the_ring(prefetch, 
 def test_ring_gives_its_device_slots_back_on_release_and_reallocates_on_the_next_run(tiny_folder, reference):
     ops = SimulatedStreamOps()
     model = _ring_model(tiny_folder, ops, prefetch_blocks=1)
-    _run(model)
+    _observed_run(model, ops)
     model.offload.release_all()
     assert model.offload.device_bytes() == 0 and model.offload.transfer.device_slots is None
     assert ops.pending() == 0
-    latents, frames = _run(model)
+    latents, frames = _observed_run(model, ops)
     assert torch.equal(latents, reference[0]) and torch.equal(frames, reference[1])
 
 
@@ -70,28 +75,33 @@ def test_ring_with_cache_skips_releases_unused_prefetches_safely(tiny_folder):
     eager = ExpertCacheLimits(max_warmup_steps=1)
     cache = CacheOptions(residual_diff_threshold=0.2, high_noise=eager, low_noise=eager)
     expected = _run(load_pipeline(tiny_folder, "fp32"), cache=cache)
-    model = _ring_model(tiny_folder, SimulatedStreamOps(), prefetch_blocks=2)
-    latents, frames, report = _run(model, cache=cache, with_report=True)
+    ops = SimulatedStreamOps()
+    model = _ring_model(tiny_folder, ops, prefetch_blocks=2)
+    latents, frames, report = _observed_run(model, ops, cache=cache, with_report=True)
     assert all(expert.cached_steps for expert in report.experts)
     assert torch.equal(latents, expected[0]) and torch.equal(frames, expected[1])
+    model.offload.release_all()
+    assert ops.pending() == 0  # skipped prefetches' copies were waited for before their slots went back
 
 
 def test_a_ring_smaller_than_the_prefetch_window_prefetches_less(tiny_folder, reference):
     model = load_pipeline(tiny_folder, "fp32")
     sized = _ring_model(tiny_folder, SimulatedStreamOps(), prefetch_blocks=0).offload.transfer.slot_bytes
-    ring = RingTransfer(SimulatedStreamOps(), slots=2, slot_bytes=sized)
+    ops = SimulatedStreamOps()
+    ring = RingTransfer(ops, slots=2, slot_bytes=sized)
     attach_offload(model, OffloadOptions(mode="layerwise", prefetch_blocks=3), ring)
     assert model.offload.prefetch_blocks == 1
-    latents, frames = _run(model)
+    latents, frames = _observed_run(model, ops)
     assert torch.equal(latents, reference[0]) and torch.equal(frames, reference[1])
     assert max(len(event.resident) for event in model.offload.events) <= 3  # expert's own weights + 2 blocks
 
 
 @pytest.mark.parametrize("ops_class", [ForgetsStreamWaits, ForgetsHostSync])
 def test_the_simulation_catches_a_ring_that_skips_an_ordering_step(ops_class, tiny_folder):
-    model = _ring_model(tiny_folder, ops_class(), prefetch_blocks=1)
+    ops = ops_class()
+    model = _ring_model(tiny_folder, ops, prefetch_blocks=1)
     with pytest.raises(StreamHazard):
-        _run(model)
+        _observed_run(model, ops)
 
 
 class _Holder(torch.nn.Module):

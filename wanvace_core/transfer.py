@@ -48,6 +48,17 @@ class Unit:
             raise WanVACEError(
                 f"{name} has weights on {on_device[0]}; offload needs them in host memory (load with device='cpu')."
             )
+        # Copies are packed contiguously; a strided weight would compute with another layout than in place.
+        strided = [
+            f"{type(module).__name__}.{attr}"
+            for (module, attr, _), tensor in zip(self.slots, self.host, strict=True)
+            if not tensor.is_contiguous()
+        ]
+        if strided:
+            raise WanVACEError(
+                f"{name} has non-contiguous weights ({', '.join(strided[:3])}); offload copies them contiguously, "
+                "which would change results. Make them contiguous before attaching offload."
+            )
 
     @staticmethod
     def _get(module: torch.nn.Module, attr: str, is_param: bool) -> torch.Tensor:
@@ -165,10 +176,13 @@ class StreamOps(Protocol):
     def new_stream(self) -> object: ...
 
     def compute_stream(self) -> object:
-        """The stream the calling thread's kernels run on."""
+        """The stream the calling thread's kernels run on (per thread in PyTorch: call on the compute thread)."""
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
-        """A page-locked host buffer of `nbytes` bytes (uint8)."""
+        """A page-locked host buffer of exactly `nbytes` bytes (uint8)."""
+
+    def free_host_buffer(self, buffer: torch.Tensor) -> None:
+        """Unlocks a buffer from `host_buffer`; no copy may still read it."""
 
     def device_buffer(self, nbytes: int) -> torch.Tensor: ...
 
@@ -199,7 +213,16 @@ class CudaStreamOps:
         return torch.cuda.current_stream(self.device)
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        # Registered rather than `pin_memory=True`: the caching host allocator rounds each allocation up
+        # to a power of two (a 0.8 GB slot would pin 1 GiB) and keeps it pinned after it is freed.
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        error = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0))
+        if error != 0:
+            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {error}")
+        return buffer
+
+    def free_host_buffer(self, buffer: torch.Tensor) -> None:
+        torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
 
     def device_buffer(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
@@ -209,7 +232,8 @@ class CudaStreamOps:
             target.copy_(source, non_blocking=True)
 
     def record(self, stream: object) -> object:
-        event = torch.cuda.Event()
+        # Blocking: a host waiting on it sleeps instead of spinning a core beside the compute thread.
+        event = torch.cuda.Event(blocking=True)
         event.record(stream)
         return event
 
@@ -237,46 +261,54 @@ class RingTransfer:
 
     Device memory for streamed blocks is therefore `slots x slot_bytes` however far the host runs
     ahead, and pinned host memory is the same amount: the weights themselves are never pinned. Device
-    slots are allocated on first use and given back by `trim`.
+    slots are allocated on first use and given back by `trim`. Only the worker ever waits on the host
+    for a copy (apart from `trim` and `close`), so the compute thread never stalls behind host reads.
     """
 
     def __init__(self, ops: StreamOps, slots: int, slot_bytes: int) -> None:
         if slots < 1 or slot_bytes < 1:
-            raise WanVACEError(f"RingTransfer needs at least one slot of at least one byte, got {slots}x{slot_bytes}.")
+            raise WanVACEError(
+                f"RingTransfer needs slots >= 1 and slot_bytes >= 1, got slots={slots}, slot_bytes={slot_bytes}; "
+                "size it with ring_transfer()."
+            )
         self.ops = ops
         self.device = ops.device
         self.capacity = slots
         self.slot_bytes = slot_bytes
         self.stream = ops.new_stream()
+        self.pinned: list[torch.Tensor] = []
         try:
-            self.pinned = [ops.host_buffer(slot_bytes) for _ in range(slots)]
+            for _ in range(slots):
+                self.pinned.append(ops.host_buffer(slot_bytes))
         except RuntimeError as error:
+            for buffer in self.pinned:
+                ops.free_host_buffer(buffer)
             raise WanVACEError(
                 f"Could not pin {slots} x {slot_bytes / 2**20:.0f} MB of host memory for layerwise offload "
-                f"({error}); lower prefetch_blocks or set max_pinned_mb."
+                f"({error}); lower prefetch_blocks or max_pinned_mb, or free host RAM."
             ) from error
         self.device_slots: list[torch.Tensor] | None = None
-        self.copied: list[object | None] = [None] * slots  # the copy out of pinned buffer i has finished
+        self.last: list[Future | None] = [None] * slots  # the latest staging into slot i (its copy event)
         self.freed: list[object | None] = [None] * slots  # compute passed the release of device slot i's block
-        self.in_use = [False] * slots
+        self.in_use: list[str | None] = [None] * slots  # the unit occupying slot i
         self.next_slot = 0
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wanvace-offload")
 
     def _claim(self, unit: Unit) -> int:
         if unit.staged_nbytes > self.slot_bytes:
             raise WanVACEError(
-                f"{unit.name} needs {unit.staged_nbytes} bytes but offload slots hold {self.slot_bytes}; "
-                "the ring was sized for other blocks."
+                f"{unit.name} needs {unit.staged_nbytes} bytes but offload slots hold {self.slot_bytes}; the ring "
+                "was sized for another model: attach the offload again (attach_offload) after changing the model."
             )
         for step in range(self.capacity):
             slot = (self.next_slot + step) % self.capacity
-            if not self.in_use[slot]:
-                self.in_use[slot] = True
+            if self.in_use[slot] is None:
+                self.in_use[slot] = unit.name
                 self.next_slot = (slot + 1) % self.capacity
                 return slot
         raise WanVACEError(
-            f"offload ring overrun: all {self.capacity} slots are in flight when {unit.name} needs one; "
-            "the streamer must not begin more blocks than the ring's capacity."
+            f"offload ring overrun: {unit.name} needs a slot while all {self.capacity} hold "
+            f"{', '.join(self.in_use)}; the streamer must not begin more blocks than the ring's capacity."
         )
 
     def begin(self, unit: Unit) -> object:
@@ -292,14 +324,23 @@ class RingTransfer:
             # slots given back by `trim`): the first copy into each slot waits for that compute.
             self.freed = [self.ops.record(self.ops.compute_stream())] * self.capacity
         slot = self._claim(unit)
-        # Read the slot's events here, on the thread that recorded them, and hand them to the worker.
+        # The worker runs stagings in order, so the slot's previous staging has finished when this one
+        # starts; its copy event is read there, never by blocking this thread.
         staged = self._worker.submit(
-            self._stage, unit, self.pinned[slot], self.device_slots[slot], self.copied[slot], self.freed[slot]
+            self._stage, unit, self.pinned[slot], self.device_slots[slot], self.last[slot], self.freed[slot]
         )
+        self.last[slot] = staged
         return _RingHandle(slot, staged)
 
-    def _stage(self, unit: Unit, staging: torch.Tensor, target: torch.Tensor, copied, freed):
+    @staticmethod
+    def _copy_event(staging: Future | None):
+        if staging is None or staging.exception() is not None:
+            return None
+        return staging.result()[1]
+
+    def _stage(self, unit: Unit, staging: torch.Tensor, target: torch.Tensor, previous: Future | None, freed):
         """Worker thread: host tensors -> pinned buffer -> (side stream) device slot."""
+        copied = self._copy_event(previous)
         if copied is not None:
             self.ops.synchronize(copied)  # the pinned buffer's previous contents may still be in transit
         offset, views = 0, []
@@ -310,21 +351,25 @@ class RingTransfer:
             offset += _padded(tensor)
         if freed is not None:
             self.ops.wait(self.stream, freed)  # the slot's previous block may still be read by queued compute
-        self.ops.copy_async(self.stream, target[:offset], staging[:offset])
-        return views, self.ops.record(self.stream)
+        try:
+            self.ops.copy_async(self.stream, target[:offset], staging[:offset])
+            return views, self.ops.record(self.stream)
+        except BaseException:
+            # A copy may be queued without an event to wait on: let it finish before the buffer is reused.
+            self.ops.synchronize(self.ops.record(self.stream))
+            raise
 
     def finish(self, unit: Unit, handle: object) -> list[torch.Tensor]:
         views, event = handle.staged.result()
-        self.copied[handle.slot] = event
         self.ops.wait(self.ops.compute_stream(), event)
         return views
 
     def release(self, unit: Unit, handle: object) -> None:
-        # A prefetched block that never ran (a cache skipped it) still has its copy in flight.
-        if handle.staged.exception() is None:  # a failed staging was raised to the caller by finish()
-            self.copied[handle.slot] = handle.staged.result()[1]
-        self.freed[handle.slot] = self.ops.record(self.ops.compute_stream())
-        self.in_use[handle.slot] = False
+        # Never waits: a prefetched block that never ran (a cache skipped it) may still be staging.
+        try:
+            self.freed[handle.slot] = self.ops.record(self.ops.compute_stream())
+        finally:
+            self.in_use[handle.slot] = None
 
     def load(self, unit: Unit) -> list[torch.Tensor]:
         return [tensor.to(self.device) for tensor in unit.host]
@@ -336,21 +381,28 @@ class RingTransfer:
         return self.capacity * self.slot_bytes if blocks else 0
 
     def _drain(self) -> None:
-        for event in self.copied:
-            if event is not None:
-                self.ops.synchronize(event)
+        """The host waits for every queued staging and copy."""
+        for staging in self.last:
+            if staging is not None:
+                staging.exception()  # waits; a failure was raised to the caller by finish()
+            copied = self._copy_event(staging)
+            if copied is not None:
+                self.ops.synchronize(copied)
 
     def trim(self) -> None:
-        if any(self.in_use):
-            raise WanVACEError("offload ring trimmed while blocks are in flight; release them first.")
+        busy = [name for name in self.in_use if name is not None]
+        if busy:
+            raise WanVACEError(f"offload ring trimmed while {', '.join(busy)} are in flight; release them first.")
         # The side stream may still be writing into a slot; the allocator only orders compute-stream use.
         self._drain()
-        self.device_slots = None
+        self.device_slots, self.last = None, [None] * self.capacity  # finished stagings still hold slot views
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)
         self._drain()
-        self.device_slots, self.pinned = None, []
+        for buffer in self.pinned:
+            self.ops.free_host_buffer(buffer)
+        self.device_slots, self.pinned, self.last = None, [], [None] * self.capacity
 
 
 def ring_transfer(ops: StreamOps, blocks: list[Unit], prefetch_blocks: int, max_pinned_mb: int) -> RingTransfer:
