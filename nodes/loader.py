@@ -72,7 +72,8 @@ class WanVACEModelLoader(io.ComfyNode):
                 WanVACEOffloadType.Input(
                     "offload",
                     optional=True,
-                    tooltip="From WanVACE Offload Options; unconnected = everything on the GPU.",
+                    tooltip="From WanVACE Offload Options; unconnected = everything on the GPU (ComfyUI's "
+                    "'Unload models' then drops the weights and the next prompt reads them back from disk).",
                 ),
             ],
             outputs=[WanVACEModelType.Output(display_name="model", tooltip="The loaded WanVACE pipeline.")],
@@ -103,7 +104,10 @@ class WanVACEModelLoader(io.ComfyNode):
                     for path in files.weight_files
                 )
                 comfy.model_management.free_memory(weights, device)
-            return io.NodeOutput(load_pipeline(folder, dtype, device))
+            model = load_pipeline(folder, dtype, device)
+            # ComfyUI can now unload it like its own models; it is read back from the files when next used.
+            cooperate(model, device)
+            return io.NodeOutput(model)
         if device.type == "cpu":
             logger.warning(
                 "WanVACE offload mode %r on a CPU-only ComfyUI only adds copying; use mode 'none' there.", offload.mode
@@ -112,5 +116,5 @@ class WanVACEModelLoader(io.ComfyNode):
         model = load_pipeline(folder, dtype, "cpu")
         model.device = device
         attach_offload(model, offload)
-        cooperate(model.offload, device)
+        cooperate(model, device)
         return io.NodeOutput(model)

@@ -1,10 +1,11 @@
-"""Lets comfy.model_management see, and free, the GPU memory our offloader holds.
+"""Lets comfy.model_management see, and free, the device memory our pipeline holds.
 
 ComfyUI tracks models as `LoadedModel` entries around ModelPatcher objects. `ComfyMemoryHandle`
 offers the handful of ModelPatcher methods model_management calls, so our pipeline appears in
 `current_loaded_models`: "Unload models" / POST /free and ComfyUI's own memory pressure call
-`detach()`, which sends our weights back to host memory, and before our components move to the
-GPU we ask ComfyUI to make room first. The next activation re-onloads as needed.
+`detach()`, which releases our weights (back to host memory with offload; dropped, to be read back
+from the files, without), and before our weights move to the device we ask ComfyUI to make room
+first. The next use re-onloads or reloads as needed.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ class WanVACE:
 
 
 class ComfyMemoryHandle:
-    def __init__(self, offloader, load_device: torch.device) -> None:
-        self._offloader = weakref.ref(offloader)
+    def __init__(self, model, load_device: torch.device) -> None:
+        self._model = weakref.ref(model)
         self.load_device = load_device
         self.offload_device = torch.device("cpu")
         self.parent = None
@@ -32,8 +33,8 @@ class ComfyMemoryHandle:
         self.planned_bytes = 0
 
     def loaded_size(self) -> int:
-        offloader = self._offloader()
-        return 0 if offloader is None else offloader.device_bytes()
+        model = self._model()
+        return 0 if model is None else model.device_bytes()
 
     def model_size(self) -> int:
         return max(self.planned_bytes, self.loaded_size())
@@ -64,10 +65,9 @@ class ComfyMemoryHandle:
         return 0  # no partial eviction: ComfyUI then detaches the whole handle
 
     def detach(self, unpatch_all: bool = True):
-        offloader = self._offloader()
-        if unpatch_all and offloader is not None:
-            held = offloader.device_bytes()
-            offloader.release_all()
+        model = self._model()
+        if unpatch_all and model is not None:
+            held = model.release_device_memory()
             logger.info("WanVACE released %.1f MB of device memory at ComfyUI's request", held / 2**20)
         return self.model
 
@@ -75,14 +75,26 @@ class ComfyMemoryHandle:
 _handles: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def cooperate(offloader, device: torch.device) -> None:
-    """Makes `offloader` ask ComfyUI for room before each activation and obey ComfyUI's unloads."""
+def cooperate(model, device: torch.device) -> None:
+    """Makes `model` ask ComfyUI for room before its weights move to `device`, and obey ComfyUI's unloads.
 
-    def make_room(_component: str, peak_bytes: int) -> None:
-        handle = _handles.get(offloader)
+    With offload that is before each component activates; without, the weights are on the device
+    already (registered now) and are asked room for again only when dropped weights are reloaded.
+    """
+    reference = weakref.ref(model)
+
+    def make_room(peak_bytes: int) -> None:
+        owner = reference()
+        if owner is None:
+            return
+        handle = _handles.get(owner)
         if handle is None:
-            handle = _handles[offloader] = ComfyMemoryHandle(offloader, device)
+            handle = _handles[owner] = ComfyMemoryHandle(owner, device)
         handle.planned_bytes = int(peak_bytes)
         model_management.load_models_gpu([handle])
 
-    offloader.on_activate = make_room
+    if hasattr(model.offload, "on_activate"):
+        model.offload.on_activate = lambda _component, peak_bytes: make_room(peak_bytes)
+    else:
+        model.on_reload = make_room
+        make_room(model.device_bytes())

@@ -287,17 +287,19 @@ class ComfyServer:
     def interrupt(self, prompt_id: str | None = None) -> None:
         self.post("/interrupt", {"prompt_id": prompt_id} if prompt_id else {}).raise_for_status()
 
-    def free(self, unload_models: bool = True, free_memory: bool = True) -> None:
+    def free(self, unload_models: bool = True, free_memory: bool = True, wake: dict | None = None) -> None:
         """POST /free, then make sure the prompt worker has acted on it.
 
         ComfyUI 0.3.75's worker reads the free flags only when its queue wait returns. A /free that
         lands while the worker is between prompts (say in gc) loses its wake-up and waits for the next
         prompt, up to 1000 s later; queueing a tiny core-only prompt right after makes that prompt the
-        wake-up, and the flags are applied as soon as it finishes.
+        wake-up, and the flags are applied as soon as it finishes. That prompt replaces the cached node
+        outputs of the previous one; pass the previous prompt as `wake` to keep them (it then runs
+        entirely from the cache), as a user's "Unload models" between two prompts would.
         """
         payload = {"unload_models": unload_models, "free_memory": free_memory}
         self.post("/free", payload).raise_for_status()
-        wake = {
+        wake = wake or {
             "1": {"class_type": "EmptyImage", "inputs": {"width": 8, "height": 8, "batch_size": 1, "color": 0}},
             "2": {"class_type": "PreviewImage", "inputs": {"images": ["1", 0]}},
         }

@@ -272,3 +272,36 @@ def test_offloaded_bf16_experts_stay_memory_mapped_in_host_memory(mode, bf16_fol
         assert not outside, f"{expert}: {len(outside)} of {len(host)} bf16 weights copied into private memory"
         # Between runs every module points at those same host tensors again.
         assert all(current.data_ptr() == kept.data_ptr() for unit in units for current, kept in _bound(unit))
+
+
+@pytest.mark.parametrize("options", [None, {"mode": "model"}, {"mode": "layerwise", "prefetch_blocks": 1}])
+def test_released_device_memory_comes_back_at_the_next_use_with_equal_results(options, tiny_folder, reference):
+    model = load_pipeline(tiny_folder, "fp32")
+    if options is not None:
+        attach_offload(model, OffloadOptions(**options), SynchronousTransfer())
+    _run(model)
+    held = model.device_bytes()
+    assert held > 0
+    assert model.release_device_memory() == held
+    assert model.device_bytes() == 0
+    if options is None:
+        # No host copy exists in mode none: the weights themselves are gone until they are read back.
+        assert all(param.is_meta for module in model.components.values() for param in module.parameters())
+    reloads = []
+    model.on_reload = reloads.append
+    latents, frames = _run(model)
+    assert torch.equal(latents, reference[0]) and torch.equal(frames, reference[1])
+    if options is None:
+        assert reloads == [sum(param.numel() * param.element_size() for param in _parameters(model))]
+        assert not any(param.is_meta for module in model.components.values() for param in module.parameters())
+        assert model.device_bytes() == model.weight_bytes()
+    else:
+        assert reloads == []  # offload re-onloads from host memory; nothing is read from disk
+
+
+def _parameters(model):
+    unique = {}
+    for module in model.components.values():
+        for param in module.parameters():
+            unique[id(param)] = param
+    return list(unique.values())

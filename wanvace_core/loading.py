@@ -197,6 +197,17 @@ def load_component(cls, files: ComponentFiles, dtype: torch.dtype, device: torch
     """
     device = torch.device(device)
     module = _build_on_meta(cls, files.folder)
+    _fill(module, files, dtype, device)
+    # Buffers (RoPE tables) were computed on the CPU at their library-chosen dtype; only move them.
+    for name, buffer in list(module.named_buffers()):
+        if buffer.device != device:
+            _set_tensor(module, name, buffer.to(device))
+    return module.eval().requires_grad_(False)
+
+
+def _fill(module: torch.nn.Module, files: ComponentFiles, dtype: torch.dtype, device: torch.device) -> None:
+    """Streams every tensor of `files` into `module`, whose parameters may be meta placeholders."""
+    cls = type(module)
     fp32_names = _fp32_module_names(module, dtype)
     placeholders = module.state_dict(keep_vars=True)
     with torch.no_grad():
@@ -211,11 +222,27 @@ def load_component(cls, files: ComponentFiles, dtype: torch.dtype, device: torch
             f"{files.folder} lacks {len(still_empty)} tensor(s) of {cls.__name__} ({shown}); the download is "
             "incomplete or the files belong to another model."
         )
-    # Buffers (RoPE tables) were computed on the CPU at their library-chosen dtype; only move them.
-    for name, buffer in list(module.named_buffers()):
-        if buffer.device != device:
-            _set_tensor(module, name, buffer.to(device))
-    return module.eval().requires_grad_(False)
+
+
+def drop_weights(module: torch.nn.Module) -> None:
+    """Replaces every parameter of `module` by a meta placeholder, freeing its memory; `refill_weights` undoes it."""
+    placeholders: dict[int, torch.nn.Parameter] = {}  # tied parameters stay tied
+    for name, param in list(module.named_parameters(remove_duplicate=False)):
+        if id(param) not in placeholders:
+            empty = torch.empty(param.shape, dtype=param.dtype, device="meta")
+            placeholders[id(param)] = type(param)(empty, requires_grad=param.requires_grad)
+        owner_name, _, attr = name.rpartition(".")
+        (module.get_submodule(owner_name) if owner_name else module)._parameters[attr] = placeholders[id(param)]
+
+
+def refill_weights(model: WanVACEModel) -> None:
+    """Reads the weights `drop_weights` dropped back from the model's folder, onto `model.device`."""
+    layout = inspect_pipeline_folder(model.source)
+    for name, files in layout.components.items():
+        module = getattr(model, name)
+        _fill(module, files, model.dtype, model.device)
+        module.requires_grad_(False)
+    logger.info("Reloaded WanVACE weights of %s onto %s", model.source, model.device)
 
 
 def load_pipeline(path: str | Path, dtype: str = "bf16", device: str | torch.device = "cpu") -> WanVACEModel:

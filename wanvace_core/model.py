@@ -6,6 +6,7 @@ import logging
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,11 +47,75 @@ class WanVACEModel:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _helper: object = field(default=None, repr=False)
     offload: object = field(default_factory=lambda: NoOffload(), repr=False)
+    # Called as on_reload(bytes) before dropped weights are read back, so a host application (ComfyUI)
+    # can make room on the device first.
+    on_reload: Callable[[int], None] | None = field(default=None, repr=False)
+    weights_dropped: bool = False
 
     def __post_init__(self) -> None:
         for expert in self.experts:
             apply_interleaved_vace(expert)
         weakref.finalize(self, _log_release, str(self.source))
+
+    @property
+    def components(self) -> dict[str, torch.nn.Module]:
+        modules = {"text_encoder": self.text_encoder, "vae": self.vae}
+        modules.update({name: getattr(self, name) for name in ("transformer", "transformer_2")})
+        return {name: module for name, module in modules.items() if module is not None}
+
+    def weight_bytes(self) -> int:
+        """Bytes of all components' parameters and buffers (each tensor once)."""
+        seen, total = set(), 0
+        for module in self.components.values():
+            for tensor in [*module.parameters(), *module.buffers()]:
+                if id(tensor) not in seen and not tensor.is_meta:
+                    seen.add(id(tensor))
+                    total += tensor.numel() * tensor.element_size()
+        return total
+
+    def device_bytes(self) -> int:
+        """Bytes of weights this model holds on its device now."""
+        if isinstance(self.offload, NoOffload):
+            return 0 if self.weights_dropped else self.weight_bytes()
+        return self.offload.device_bytes()
+
+    def release_device_memory(self) -> int:
+        """Frees the device memory the weights take (ComfyUI asked for it); returns the bytes released.
+
+        With offload, weights go back to host memory. Without (mode `none`) there is no host copy: the
+        weights are dropped and `ensure_loaded` reads them back from the folder at the next use.
+        """
+        held = self.device_bytes()
+        if not isinstance(self.offload, NoOffload):
+            self.offload.release_all()
+        elif not self.weights_dropped:
+            from .loading import drop_weights
+
+            for module in self.components.values():
+                drop_weights(module)
+            self.weights_dropped = True
+        return held
+
+    def ensure_loaded(self) -> None:
+        """Reads back weights that `release_device_memory` dropped; a no-op otherwise."""
+        with self._lock:
+            if not self.weights_dropped:
+                return
+            from .loading import refill_weights
+
+            if self.on_reload is not None:
+                self.on_reload(self._dropped_bytes())
+            refill_weights(self)
+            self.weights_dropped = False
+
+    def _dropped_bytes(self) -> int:
+        seen, total = set(), 0
+        for module in self.components.values():
+            for param in module.parameters():
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    total += param.numel() * param.element_size()
+        return total
 
     @property
     def experts(self) -> list[torch.nn.Module]:
@@ -117,6 +182,7 @@ class WanVACEModel:
             if cached is not None:
                 self._prompt_cache.move_to_end(text)
                 return cached
+        self.ensure_loaded()
         self.offload.activate("text_encoder")
         embeds = self.helper._get_t5_prompt_embeds(
             prompt=text, max_sequence_length=self.max_sequence_length, device=self.device

@@ -15,6 +15,7 @@ pytestmark = pytest.mark.integration
 
 API_DIR = Path(__file__).resolve().parents[1] / "api_workflows"
 RELEASED = "WanVACE released"
+RELOADED = "Reloaded WanVACE weights"
 
 
 def _workflow(seed: int, prefix: str, offload: dict | None) -> dict:
@@ -41,25 +42,32 @@ def _latent(server, workflow) -> torch.Tensor:
 @pytest.mark.parametrize(
     "offload",
     [
+        None,  # mode none: the weights are dropped on unload and read back from the files
         {"mode": "model", "prefetch_blocks": 1, "max_pinned_mb": 0},
         {"mode": "layerwise", "prefetch_blocks": 2, "max_pinned_mb": 0},
     ],
 )
 def test_offload_modes_match_no_offload_and_obey_comfyui_unload(offload, comfy_server):
-    plain = _latent(comfy_server, _workflow(61, f"offload_{offload['mode']}/plain", None))
-    first = _latent(comfy_server, _workflow(61, f"offload_{offload['mode']}/first", offload))
+    mode = "none" if offload is None else offload["mode"]
+    plain = _latent(comfy_server, _workflow(61, f"offload_{mode}/plain", None))
+    first_workflow = _workflow(61, f"offload_{mode}/first", offload)
+    first = _latent(comfy_server, first_workflow)
     assert torch.equal(first, plain)
 
     releases = comfy_server.log_text().count(RELEASED)
-    comfy_server.free(unload_models=True, free_memory=False)
+    # Woken by the same prompt, ComfyUI keeps the loaded model in its cache: it is our memory it unloads.
+    comfy_server.free(unload_models=True, free_memory=False, wake=first_workflow)
     deadline = time.monotonic() + 30
     while comfy_server.log_text().count(RELEASED) == releases and time.monotonic() < deadline:
         time.sleep(0.5)
     assert comfy_server.log_text().count(RELEASED) > releases, "ComfyUI's unload did not reach the offloader"
 
-    _latent(comfy_server, _workflow(62, f"offload_{offload['mode']}/other", offload))
-    again = _latent(comfy_server, _workflow(61, f"offload_{offload['mode']}/again", offload))
+    reloads = comfy_server.log_text().count(RELOADED)
+    _latent(comfy_server, _workflow(62, f"offload_{mode}/other", offload))
+    again = _latent(comfy_server, _workflow(61, f"offload_{mode}/again", offload))
     assert torch.equal(again, first)
+    # Offload re-onloads from host memory; without it, the dropped weights are read back once.
+    assert comfy_server.log_text().count(RELOADED) - reloads == (1 if offload is None else 0)
 
 
 def test_invalid_offload_options_are_refused_at_queue_time(comfy_server):
