@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 
@@ -17,6 +18,7 @@ from wanvace_core import (
     VACEInputs,
     WanVACEError,
     WanVACEInputError,
+    WanVACEModelFolderError,
     attach_offload,
     decode,
     load_pipeline,
@@ -190,19 +192,22 @@ def test_invalid_offload_options_are_refused(options, message):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("mode", ["model", "layerwise"])
-def test_cuda_offload_matches_none_and_keeps_weights_off_the_device(mode, tiny_folder):
+@pytest.mark.parametrize(("mode", "prefetch"), [("model", 1), ("layerwise", 0), ("layerwise", 1), ("layerwise", 3)])
+def test_cuda_offload_matches_none_and_keeps_weights_off_the_device(mode, prefetch, tiny_folder):
     on_device = load_pipeline(tiny_folder, "bf16", device="cuda")
     expected = _run(on_device)
     del on_device
     model = load_pipeline(tiny_folder, "bf16", device="cpu")
     model.device = torch.device("cuda")
-    attach_offload(model, OffloadOptions(mode=mode, prefetch_blocks=1))
-    latents, frames = _run(model)
-    assert torch.equal(latents.cpu(), expected[0].cpu()) and torch.equal(frames, expected[1])
-    assert model.offload.device_bytes() <= model.offload.peak_device_bytes()
+    attach_offload(model, OffloadOptions(mode=mode, prefetch_blocks=prefetch))
+    for _ in range(2):  # the second run reuses ring slots and pinned buffers
+        latents, frames = _run(model)
+        assert torch.equal(latents.cpu(), expected[0].cpu()) and torch.equal(frames, expected[1])
+        assert model.offload.device_bytes() <= model.offload.peak_device_bytes()
     model.offload.release_all()
+    assert model.offload.device_bytes() == 0
     assert all(t.data_ptr() == h.data_ptr() for unit in model.offload.all_units() for t, h in _bound(unit))
+    model.offload.detach()
 
 
 def test_layerwise_follows_cache_dit_block_order_while_caching(tiny_folder):
@@ -282,21 +287,67 @@ def test_released_device_memory_comes_back_at_the_next_use_with_equal_results(op
     _run(model)
     held = model.device_bytes()
     assert held > 0
-    assert model.release_device_memory() == held
-    assert model.device_bytes() == 0
+    released = model.release_device_memory()
     if options is None:
-        # No host copy exists in mode none: the weights themselves are gone until they are read back.
+        # No host copy exists in mode none: the parameters themselves are gone until they are read back;
+        # only the small computed buffers (RoPE tables) stay.
         assert all(param.is_meta for module in model.components.values() for param in module.parameters())
+        assert released == held - model.device_bytes() == sum(p.numel() * p.element_size() for p in _parameters(model))
+    else:
+        assert released == held and model.device_bytes() == 0
     reloads = []
     model.on_reload = reloads.append
     latents, frames = _run(model)
     assert torch.equal(latents, reference[0]) and torch.equal(frames, reference[1])
     if options is None:
-        assert reloads == [sum(param.numel() * param.element_size() for param in _parameters(model))]
-        assert not any(param.is_meta for module in model.components.values() for param in module.parameters())
-        assert model.device_bytes() == model.weight_bytes()
+        # Each use reads back only what it needs: the prompts were encoded before, so the text encoder
+        # stays dropped.
+        assert model.dropped == {"text_encoder"}
+        assert reloads == [_parameter_bytes(model, ["vae"]), _parameter_bytes(model, ["transformer", "transformer_2"])]
+        assert not any(
+            param.is_meta
+            for name in ("vae", "transformer", "transformer_2")
+            for param in model.components[name].parameters()
+        )
     else:
         assert reloads == []  # offload re-onloads from host memory; nothing is read from disk
+
+
+def test_a_failed_reload_leaves_nothing_loaded_and_the_next_one_works(tiny_folder, reference, monkeypatch):
+    import wanvace_core.loading as loading
+
+    model = load_pipeline(tiny_folder, "fp32")
+    model.release_device_memory()
+    real_fill = loading._fill
+
+    def fill_then_fail(module, *args):
+        real_fill(module, *args)
+        raise MemoryError("simulated out of memory after the first component")
+
+    monkeypatch.setattr(loading, "_fill", fill_then_fail)
+    with pytest.raises(MemoryError):
+        _run(model)
+    assert all(param.is_meta for module in model.components.values() for param in module.parameters())
+    monkeypatch.setattr(loading, "_fill", real_fill)
+    latents, frames = _run(model)
+    assert torch.equal(latents, reference[0]) and torch.equal(frames, reference[1])
+
+
+def test_weights_changed_on_disk_are_not_read_back_silently(tiny_folder, tmp_path):
+    folder = tmp_path / "copy"
+    shutil.copytree(tiny_folder, folder)
+    model = load_pipeline(folder, "fp32")
+    model.release_device_memory()
+    weights = next((folder / "vae").glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes())  # same bytes, new file: a replaced download
+    os.utime(weights, ns=(1, 1))
+    with pytest.raises(WanVACEModelFolderError, match="changed since this model was loaded"):
+        model.ensure_loaded("vae")
+
+
+def _parameter_bytes(model, names):
+    unique = {id(p): p for name in names for p in model.components[name].parameters()}
+    return sum(p.numel() * p.element_size() for p in unique.values())
 
 
 def _parameters(model):

@@ -154,7 +154,7 @@ def _reference_canvases(model: WanVACEModel, images: torch.Tensor, height: int, 
 def prepare_conditioning(model: WanVACEModel, inputs: VACEInputs) -> VACEConditioning:
     """Encodes prompts and VACE inputs exactly as diffusers' WanVACEPipeline does."""
     validate_vace_inputs(inputs, model.spatial_multiple, model.temporal_stride)
-    model.ensure_loaded()
+    model.ensure_loaded("vae")  # the text encoder is reloaded only for a prompt not encoded before
     pipeline = model.helper
     prompt_embeds = model.encode_prompt(inputs.positive)
     negative_prompt_embeds = model.encode_prompt(inputs.negative)

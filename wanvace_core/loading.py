@@ -235,14 +235,29 @@ def drop_weights(module: torch.nn.Module) -> None:
         (module.get_submodule(owner_name) if owner_name else module)._parameters[attr] = placeholders[id(param)]
 
 
-def refill_weights(model: WanVACEModel) -> None:
-    """Reads the weights `drop_weights` dropped back from the model's folder, onto `model.device`."""
-    layout = inspect_pipeline_folder(model.source)
-    for name, files in layout.components.items():
+def file_stamps(layout) -> dict[str, tuple[int, int]]:
+    """(size, mtime) of every weight file of a pipeline folder, to tell later whether they changed."""
+    stamps = {}
+    for files in layout.components.values():
+        for path in files.weight_files:
+            status = Path(path).stat()
+            stamps[str(path)] = (status.st_size, status.st_mtime_ns)
+    return stamps
+
+
+def refill_weights(model: WanVACEModel, names: list[str]) -> None:
+    """Reads the weights `drop_weights` dropped from components `names` back from the model's folder."""
+    layout = inspect_pipeline_folder(model.source, check_weights=False)
+    if model.file_stamps and file_stamps(layout) != model.file_stamps:
+        raise WanVACEModelFolderError(
+            f"The weight files in {model.source} changed since this model was loaded, so its unloaded weights "
+            "cannot be read back; load the model again (re-run the loader, or change one of its inputs)."
+        )
+    for name in names:
         module = getattr(model, name)
-        _fill(module, files, model.dtype, model.device)
+        _fill(module, layout.components[name], model.dtype, model.device)
         module.requires_grad_(False)
-    logger.info("Reloaded WanVACE weights of %s onto %s", model.source, model.device)
+    logger.info("Reloaded WanVACE weights of %s (%s) onto %s", model.source, ", ".join(names), model.device)
 
 
 def load_pipeline(path: str | Path, dtype: str = "bf16", device: str | torch.device = "cpu") -> WanVACEModel:
@@ -273,4 +288,5 @@ def load_pipeline(path: str | Path, dtype: str = "bf16", device: str | torch.dev
         transformer_2=modules.get("transformer_2"),
         scheduler_config=dict(scheduler_config),
         boundary_ratio=layout.boundary_ratio,
+        file_stamps=file_stamps(layout),
     )

@@ -6,7 +6,7 @@ import logging
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,13 +44,16 @@ class WanVACEModel:
     boundary_ratio: float | None
     max_sequence_length: int = 512
     _prompt_cache: OrderedDict = field(default_factory=OrderedDict, repr=False)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # Re-entrant: ComfyUI may call back into release_device_memory while ensure_loaded asks it for room.
+    _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
     _helper: object = field(default=None, repr=False)
     offload: object = field(default_factory=lambda: NoOffload(), repr=False)
     # Called as on_reload(bytes) before dropped weights are read back, so a host application (ComfyUI)
     # can make room on the device first.
     on_reload: Callable[[int], None] | None = field(default=None, repr=False)
-    weights_dropped: bool = False
+    dropped: set[str] = field(default_factory=set, repr=False)  # components whose weights were dropped
+    # (size, mtime) of each weight file at load: a reload must read the same weights back.
+    file_stamps: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         for expert in self.experts:
@@ -63,11 +66,12 @@ class WanVACEModel:
         modules.update({name: getattr(self, name) for name in ("transformer", "transformer_2")})
         return {name: module for name, module in modules.items() if module is not None}
 
-    def weight_bytes(self) -> int:
-        """Bytes of all components' parameters and buffers (each tensor once)."""
+    def weight_bytes(self, names: Iterable[str] | None = None) -> int:
+        """Bytes of the parameters and buffers (each once) of components `names` (default all) held now."""
+        components = self.components
         seen, total = set(), 0
-        for module in self.components.values():
-            for tensor in [*module.parameters(), *module.buffers()]:
+        for name in components if names is None else names:
+            for tensor in [*components[name].parameters(), *components[name].buffers()]:
                 if id(tensor) not in seen and not tensor.is_meta:
                     seen.add(id(tensor))
                     total += tensor.numel() * tensor.element_size()
@@ -76,42 +80,52 @@ class WanVACEModel:
     def device_bytes(self) -> int:
         """Bytes of weights this model holds on its device now."""
         if isinstance(self.offload, NoOffload):
-            return 0 if self.weights_dropped else self.weight_bytes()
+            return self.weight_bytes()
         return self.offload.device_bytes()
 
     def release_device_memory(self) -> int:
         """Frees the device memory the weights take (ComfyUI asked for it); returns the bytes released.
 
         With offload, weights go back to host memory. Without (mode `none`) there is no host copy: the
-        weights are dropped and `ensure_loaded` reads them back from the folder at the next use.
+        parameters are dropped and `ensure_loaded` reads them back from the folder when next needed.
         """
-        held = self.device_bytes()
-        if not isinstance(self.offload, NoOffload):
-            self.offload.release_all()
-        elif not self.weights_dropped:
-            from .loading import drop_weights
-
-            for module in self.components.values():
-                drop_weights(module)
-            self.weights_dropped = True
-        return held
-
-    def ensure_loaded(self) -> None:
-        """Reads back weights that `release_device_memory` dropped; a no-op otherwise."""
         with self._lock:
-            if not self.weights_dropped:
+            held = self.device_bytes()
+            if not isinstance(self.offload, NoOffload):
+                self.offload.release_all()
+            else:
+                self._drop(self.components)
+            return held - self.device_bytes()
+
+    def _drop(self, names: Iterable[str]) -> None:
+        from .loading import drop_weights
+
+        for name in names:
+            drop_weights(self.components[name])
+            self.dropped.add(name)
+
+    def ensure_loaded(self, *names: str) -> None:
+        """Reads back the dropped weights of components `names` (default all); a no-op for the others."""
+        with self._lock:
+            wanted = [name for name in (names or self.components) if name in self.dropped]
+            if not wanted:
                 return
             from .loading import refill_weights
 
             if self.on_reload is not None:
-                self.on_reload(self._dropped_bytes())
-            refill_weights(self)
-            self.weights_dropped = False
+                self.on_reload(self._parameter_bytes(wanted))
+            try:
+                refill_weights(self, wanted)
+            except BaseException:
+                # Half-read components must not hold device memory that no release would find.
+                self._drop(wanted)
+                raise
+            self.dropped.difference_update(wanted)
 
-    def _dropped_bytes(self) -> int:
+    def _parameter_bytes(self, names: Iterable[str]) -> int:
         seen, total = set(), 0
-        for module in self.components.values():
-            for param in module.parameters():
+        for name in names:
+            for param in self.components[name].parameters():
                 if id(param) not in seen:
                     seen.add(id(param))
                     total += param.numel() * param.element_size()
@@ -182,7 +196,7 @@ class WanVACEModel:
             if cached is not None:
                 self._prompt_cache.move_to_end(text)
                 return cached
-        self.ensure_loaded()
+        self.ensure_loaded("text_encoder")
         self.offload.activate("text_encoder")
         embeds = self.helper._get_t5_prompt_embeds(
             prompt=text, max_sequence_length=self.max_sequence_length, device=self.device

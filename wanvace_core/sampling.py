@@ -159,7 +159,7 @@ def sample(
 ) -> SampleResult:
     """Denoises `cond` with the dual-expert loop; `cache` turns on Cache-DiT for this run only."""
     _check_conditioning_matches(model, cond)
-    model.ensure_loaded()
+    model.ensure_loaded("transformer", "transformer_2")
     scheduler = make_scheduler(model, settings.scheduler, settings.shift)
     scheduler.set_timesteps(settings.steps, device=model.device)
     plan = _plan(model, settings)

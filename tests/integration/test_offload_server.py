@@ -66,8 +66,9 @@ def test_offload_modes_match_no_offload_and_obey_comfyui_unload(offload, comfy_s
     _latent(comfy_server, _workflow(62, f"offload_{mode}/other", offload))
     again = _latent(comfy_server, _workflow(61, f"offload_{mode}/again", offload))
     assert torch.equal(again, first)
-    # Offload re-onloads from host memory; without it, the dropped weights are read back once.
-    assert comfy_server.log_text().count(RELOADED) - reloads == (1 if offload is None else 0)
+    # Offload re-onloads from host memory; without it, the dropped weights are read back from the files.
+    reloaded = comfy_server.log_text().count(RELOADED) - reloads
+    assert reloaded > 0 if offload is None else reloaded == 0
 
 
 def test_invalid_offload_options_are_refused_at_queue_time(comfy_server):
