@@ -144,6 +144,11 @@ def main() -> None:
     print(f"device: {torch.cuda.get_device_name()}; {args.width}x{args.height}x{args.frames}, {args.steps} CFG steps")
     experts = _expert_pair(torch.bfloat16)
     inputs = _inputs(args, torch.bfloat16)
+    expert_gb = sum(p.numel() * p.element_size() for p in experts[0].parameters()) / 2**30
+    print(
+        f"one expert's weights: {expert_gb:.1f} GB. The two experts share one set of weights here, so `none` "
+        f"holds {expert_gb:.1f} GB of weights where a real pipeline holds {2 * expert_gb:.1f} GB."
+    )
     results = {}
     for mode in args.modes.split(","):
         try:
