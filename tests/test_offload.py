@@ -292,7 +292,7 @@ def test_released_device_memory_comes_back_at_the_next_use_with_equal_results(op
         # No host copy exists in mode none: the parameters themselves are gone until they are read back;
         # only the small computed buffers (RoPE tables) stay.
         assert all(param.is_meta for module in model.components.values() for param in module.parameters())
-        assert released == held - model.device_bytes() == sum(p.numel() * p.element_size() for p in _parameters(model))
+        assert released == held - model.device_bytes() == _parameter_bytes(model, model.components)
     else:
         assert released == held and model.device_bytes() == 0
     reloads = []
@@ -348,11 +348,3 @@ def test_weights_changed_on_disk_are_not_read_back_silently(tiny_folder, tmp_pat
 def _parameter_bytes(model, names):
     unique = {id(p): p for name in names for p in model.components[name].parameters()}
     return sum(p.numel() * p.element_size() for p in unique.values())
-
-
-def _parameters(model):
-    unique = {}
-    for module in model.components.values():
-        for param in module.parameters():
-            unique[id(param)] = param
-    return list(unique.values())

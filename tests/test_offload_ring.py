@@ -85,10 +85,9 @@ def test_ring_with_cache_skips_releases_unused_prefetches_safely(tiny_folder):
 
 
 def test_a_ring_smaller_than_the_prefetch_window_prefetches_less(tiny_folder, reference):
-    model = load_pipeline(tiny_folder, "fp32")
-    sized = _ring_model(tiny_folder, SimulatedStreamOps(), prefetch_blocks=0).offload.transfer.slot_bytes
+    model = _ring_model(tiny_folder, SimulatedStreamOps(), prefetch_blocks=0)  # sizes the slots for this model
     ops = SimulatedStreamOps()
-    ring = RingTransfer(ops, slots=2, slot_bytes=sized)
+    ring = RingTransfer(ops, slots=2, slot_bytes=model.offload.transfer.slot_bytes)
     attach_offload(model, OffloadOptions(mode="layerwise", prefetch_blocks=3), ring)
     assert model.offload.prefetch_blocks == 1
     latents, frames = _observed_run(model, ops)

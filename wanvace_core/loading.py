@@ -97,10 +97,15 @@ def _build_on_meta(cls, folder: Path) -> torch.nn.Module:
         return cls(config_cls.from_pretrained(folder))
 
 
+def _owner(module: torch.nn.Module, key: str) -> tuple[torch.nn.Module, str]:
+    """The submodule holding state-dict entry `key`, and the entry's name there."""
+    owner_name, _, attr = key.rpartition(".")
+    return (module.get_submodule(owner_name) if owner_name else module), attr
+
+
 def _set_tensor(module: torch.nn.Module, key: str, tensor: torch.Tensor) -> None:
     """Puts `tensor` in place of the (meta) parameter or buffer `key`, keeping the parameter class."""
-    owner_name, _, attr = key.rpartition(".")
-    owner = module.get_submodule(owner_name) if owner_name else module
+    owner, attr = _owner(module, key)
     if attr in owner._parameters:
         old = owner._parameters[attr]
         owner._parameters[attr] = type(old)(tensor, requires_grad=old.requires_grad)
@@ -231,8 +236,8 @@ def drop_weights(module: torch.nn.Module) -> None:
         if id(param) not in placeholders:
             empty = torch.empty(param.shape, dtype=param.dtype, device="meta")
             placeholders[id(param)] = type(param)(empty, requires_grad=param.requires_grad)
-        owner_name, _, attr = name.rpartition(".")
-        (module.get_submodule(owner_name) if owner_name else module)._parameters[attr] = placeholders[id(param)]
+        owner, attr = _owner(module, name)
+        owner._parameters[attr] = placeholders[id(param)]
 
 
 def file_stamps(layout) -> dict[str, tuple[int, int]]:

@@ -66,16 +66,19 @@ class WanVACEModel:
         modules.update({name: getattr(self, name) for name in ("transformer", "transformer_2")})
         return {name: module for name, module in modules.items() if module is not None}
 
+    def _unique_tensors(self, names: Iterable[str] | None, buffers: bool) -> list[torch.Tensor]:
+        components = self.components
+        unique: dict[int, torch.Tensor] = {}
+        for name in components if names is None else names:
+            module = components[name]
+            for tensor in [*module.parameters(), *(module.buffers() if buffers else ())]:
+                unique.setdefault(id(tensor), tensor)
+        return list(unique.values())
+
     def weight_bytes(self, names: Iterable[str] | None = None) -> int:
         """Bytes of the parameters and buffers (each once) of components `names` (default all) held now."""
-        components = self.components
-        seen, total = set(), 0
-        for name in components if names is None else names:
-            for tensor in [*components[name].parameters(), *components[name].buffers()]:
-                if id(tensor) not in seen and not tensor.is_meta:
-                    seen.add(id(tensor))
-                    total += tensor.numel() * tensor.element_size()
-        return total
+        tensors = self._unique_tensors(names, buffers=True)
+        return sum(tensor.numel() * tensor.element_size() for tensor in tensors if not tensor.is_meta)
 
     def device_bytes(self) -> int:
         """Bytes of weights this model holds on its device now."""
@@ -123,13 +126,8 @@ class WanVACEModel:
             self.dropped.difference_update(wanted)
 
     def _parameter_bytes(self, names: Iterable[str]) -> int:
-        seen, total = set(), 0
-        for name in names:
-            for param in self.components[name].parameters():
-                if id(param) not in seen:
-                    seen.add(id(param))
-                    total += param.numel() * param.element_size()
-        return total
+        """Bytes the parameters of `names` take when loaded (dropped ones included)."""
+        return sum(param.numel() * param.element_size() for param in self._unique_tensors(names, buffers=False))
 
     @property
     def experts(self) -> list[torch.nn.Module]:

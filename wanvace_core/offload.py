@@ -285,9 +285,6 @@ class NoOffload:
     def release_all(self) -> None:
         pass
 
-    def device_bytes(self) -> int:
-        return 0
-
     def detach(self) -> None:
         pass
 
