@@ -1,6 +1,6 @@
 """Cache-DiT speed-up on a tiny model large enough to be compute-bound on CPU, measured in one run.
 
-    .venv/bin/python bench/bench_cache.py [--steps 30] [--threshold 0.08] [--warmup 2]
+    .venvs/current/bin/python bench/bench_cache.py [--steps 30] [--threshold 0.08] [--warmup 2]
 
 Runs the same V2V control generation uncached, with DBCache and with DBCache+TaylorSeer
 (interleaved, median of --repeats), and prints each mode's wall-time ratio against uncached, the

@@ -1,6 +1,6 @@
 """Load benchmark: our streaming loader vs diffusers' from_pretrained, peak host memory and time, in one run.
 
-    .venv/bin/python bench/bench_load.py [--layers 8] [--vace-every 4] [--heads 12] [--head-dim 128]
+    .venvs/current/bin/python bench/bench_load.py [--layers 8] [--vace-every 4] [--heads 12] [--head-dim 128]
                                          [--ffn-mult 4] [--dtypes bf16,fp32] [--repeats 1] [--folder DIR]
 
 Writes a random-weight `WanVACETransformer3DModel` in bf16 (diffusers layout, safetensors) to a temporary
@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from wanvace_core.memory import LOADERS, measure_load_in_subprocess, write_transformer_folder
+from tests.rss import LOADERS, measure_load_in_subprocess, write_transformer_folder
 
 MIB = 1024 * 1024
 MEMORY_KEYS = ("private_above_baseline", "file_above_baseline", "total_above_baseline")

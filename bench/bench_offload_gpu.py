@@ -1,6 +1,6 @@
 """Peak VRAM and per-step time of the A14B expert architecture under each offload mode (needs CUDA).
 
-    .venv/bin/python bench/bench_offload_gpu.py [--height 480 --width 832 --frames 81 --steps 3 --prefetch 1]
+    .venvs/current/bin/python bench/bench_offload_gpu.py [--height 480 --width 832 --frames 81 --steps 3 --prefetch 1]
 
 Builds two Wan2.2-VACE-Fun-A14B-sized experts (40 blocks + 8 VACE blocks, dim 5120) with random bf16
 weights (no download; both experts share one host copy of the weights, so host RAM holds ~35 GB),
@@ -21,8 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tests.rss import read_status
 from wanvace_core.interleave import apply_interleaved_vace
-from wanvace_core.memory import read_status
 from wanvace_core.offload import EXPERTS, Offloader, OffloadOptions
 
 A14B = {
@@ -98,7 +98,7 @@ def _run_mode(mode: str, experts, inputs, args) -> dict:
         return _measure(experts, inputs, args, mode)
     finally:
         if offloader is not None:
-            offloader.detach()
+            offloader.close()
         else:
             for expert in experts:
                 expert.to("cpu")

@@ -1,6 +1,6 @@
 """Peak host memory (private and file-backed) per offload mode, measured on the CPU.
 
-    .venv/bin/python bench/bench_offload_host.py [--layers 8 --heads 8 --steps 4 --prefetch 1]
+    .venvs/current/bin/python bench/bench_offload_host.py [--layers 8 --heads 8 --steps 4 --prefetch 1]
 
 Writes two random bf16 experts (diffusers layout), then for each mode starts a fresh process that
 loads both with our loader (bf16 from bf16 files: the weights stay memory-mapped, used in place),
@@ -35,10 +35,10 @@ def _worker(mode: str, folders: list[str], steps: int, prefetch: int, threads: i
     import torch
     from diffusers import WanVACETransformer3DModel
 
+    from tests.rss import PeakSampler, read_status
     from wanvace_core.folder import ComponentFiles, _weight_files
     from wanvace_core.interleave import apply_interleaved_vace
     from wanvace_core.loading import load_component
-    from wanvace_core.memory import PeakSampler, read_status
     from wanvace_core.offload import EXPERTS, Offloader, OffloadOptions, SynchronousTransfer
 
     torch.set_num_threads(threads)
@@ -76,7 +76,7 @@ def _worker(mode: str, folders: list[str], steps: int, prefetch: int, threads: i
             output = (uncond.float() + 5.0 * (cond.float() - uncond.float())).contiguous()
             step_times.append(time.perf_counter() - start)
     if offloader is not None:
-        offloader.detach()
+        offloader.close()
 
     def size(module) -> int:
         return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
@@ -111,7 +111,7 @@ def main() -> None:
         print(json.dumps(_worker(mode, folders, args.steps, args.prefetch, args.threads)))
         return
 
-    from wanvace_core.memory import write_transformer_folder
+    from tests.rss import write_transformer_folder
 
     with tempfile.TemporaryDirectory() as tmp:
         folders = [

@@ -1,6 +1,6 @@
 """Per-step time of WanVACESampler's core loop against diffusers' WanVACEPipeline, same model, one run.
 
-    .venv/bin/python bench/bench_sampler.py [--steps 10] [--width 128 --height 96 --length 17]
+    .venvs/current/bin/python bench/bench_sampler.py [--steps 10] [--width 128 --height 96 --length 17]
 
 Both sides denoise the same tiny random-weight model with the same inputs and seed; per-step times
 come from each side's step callback, so prompt encoding and VAE work are excluded. The runs

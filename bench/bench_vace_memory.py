@@ -1,6 +1,6 @@
 """Peak host memory of one WanVACE forward: diffusers' stock forward (all hints first) vs ours (interleaved).
 
-    .venv/bin/python bench/bench_vace_memory.py [--tokens 16384] [--dim 512] [--vace-layers 8]
+    .venvs/current/bin/python bench/bench_vace_memory.py [--tokens 16384] [--dim 512] [--vace-layers 8]
 
 Each forward runs in a fresh subprocess whose allocator returns every large block to the system when
 it is freed (MALLOC_MMAP_THRESHOLD_), so resident memory follows live tensors; the peak is VmHWM after

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 
 import comfy.model_management
 import folder_paths
@@ -12,13 +13,15 @@ from comfy_api.latest import io
 from ..wanvace_core import (
     DTYPES,
     OffloadOptions,
+    WanVACEModel,
     WanVACEModelFolderError,
     attach_offload,
     find_pipeline_folders,
     inspect_pipeline_folder,
     load_pipeline,
 )
-from .memory import cooperate
+from ..wanvace_core.loading import file_stamps
+from .memory import cooperate, make_room_before_loading
 from .types import CATEGORY, WanVACEModelType, WanVACEOffloadType
 
 MODEL_FOLDER = "diffusers"
@@ -73,7 +76,8 @@ class WanVACEModelLoader(io.ComfyNode):
                     "offload",
                     optional=True,
                     tooltip="From WanVACE Offload Options; unconnected = everything on the GPU (ComfyUI's "
-                    "'Unload models' then drops the weights and the next prompt reads them back from disk).",
+                    "'Unload models' then drops the weights and the next prompt reads them back from disk). "
+                    "Changing only these options re-attaches to the weights already loaded.",
                 ),
             ],
             outputs=[WanVACEModelType.Output(display_name="model", tooltip="The loaded WanVACE pipeline.")],
@@ -95,26 +99,37 @@ class WanVACEModelLoader(io.ComfyNode):
     def execute(cls, model_name: str, dtype: str, offload: OffloadOptions | None = None) -> io.NodeOutput:
         device = comfy.model_management.get_torch_device()
         folder = resolve_model_folder(model_name)
-        if offload is None or offload.mode == "none":
-            if device.type != "cpu":
-                # Everything goes straight onto the GPU: let ComfyUI unload its own models first.
-                weights = sum(
-                    path.stat().st_size
-                    for files in inspect_pipeline_folder(folder, check_weights=False).components.values()
-                    for path in files.weight_files
-                )
-                comfy.model_management.free_memory(weights, device)
-            model = load_pipeline(folder, dtype, device)
-            # ComfyUI can now unload it like its own models; it is read back from the files when next used.
-            cooperate(model, device)
-            return io.NodeOutput(model)
-        if device.type == "cpu":
+        options = offload or OffloadOptions()
+        if options.mode != "none" and device.type == "cpu":
             logger.warning(
-                "WanVACE offload mode %r on a CPU-only ComfyUI only adds copying; use mode 'none' there.", offload.mode
+                "WanVACE offload mode %r on a CPU-only ComfyUI only adds copying; use mode 'none' there.", options.mode
             )
-        # Weights stay in host memory (memory-mapped where the dtype matches the files) and move on demand.
-        model = load_pipeline(folder, dtype, "cpu")
-        model.device = device
-        attach_offload(model, offload)
+        model = _reusable(folder, dtype, device)
+        if model is not None:
+            # Only the offload options changed: re-attach to the weights in memory instead of re-reading them.
+            attach_offload(model, options)
+            logger.info("WanVACE: reusing the loaded %s with offload mode %r", folder, options.mode)
+        else:
+            if options.mode == "none":
+                make_room_before_loading(device, _weight_file_bytes(folder))
+            model = load_pipeline(folder, dtype, device, offload=options)
+            _loaded[(folder, dtype, str(device))] = model
         cooperate(model, device)
         return io.NodeOutput(model)
+
+
+# Pipelines this process has loaded and that something (ComfyUI's cache) still holds, by folder, dtype and
+# device: loading the same weights again with other offload options re-attaches instead of re-reading.
+_loaded: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _reusable(folder: str, dtype: str, device) -> WanVACEModel | None:
+    model = _loaded.get((folder, dtype, str(device)))
+    if model is None or model.weights.stamps != file_stamps(inspect_pipeline_folder(folder, check_weights=False)):
+        return None  # never loaded, dropped by ComfyUI's cache, or the files changed since
+    return model
+
+
+def _weight_file_bytes(folder: str) -> int:
+    layout = inspect_pipeline_folder(folder, check_weights=False)
+    return sum(path.stat().st_size for files in layout.components.values() for path in files.weight_files)

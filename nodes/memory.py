@@ -1,11 +1,19 @@
 """Lets comfy.model_management see, and free, the device memory our pipeline holds.
 
-ComfyUI tracks models as `LoadedModel` entries around ModelPatcher objects. `ComfyMemoryHandle`
-offers the handful of ModelPatcher methods model_management calls, so our pipeline appears in
-`current_loaded_models`: "Unload models" / POST /free and ComfyUI's own memory pressure call
-`detach()`, which releases our weights (back to host memory with offload; dropped, to be read back
-from the files, without), and before our weights move to the device we ask ComfyUI to make room
-first. The next use re-onloads or reloads as needed.
+ComfyUI tracks what is on the GPU as `LoadedModel` entries around `ModelPatcher` objects. Ours is a
+real `comfy.model_patcher.ModelPatcher` subclass (so every method either ComfyUI version calls
+exists and behaves) whose `model` is a weightless placeholder: the weights stay with our residency
+(`wanvace_core.offload`), which moves them itself. ComfyUI is told:
+
+- `model_size()`: the weight bytes we hold on the device plus the bytes about to load;
+- `loaded_size()`: the weight bytes we hold on the device now;
+- `memory_required` of `load_models_gpu`: the activations of the work about to run.
+
+"Unload models" / POST /free and ComfyUI's memory pressure call `detach()` (or `partially_unload`,
+which frees everything too: our units are whole components or blocks), and our residency releases
+its device memory; the next use brings back what it needs. It is a plain (not Dynamic VRAM)
+patcher: with ComfyUI 0.33's Dynamic VRAM on, ComfyUI's own models page their weights in on demand
+while ours are loaded whole and unloaded whole when ComfyUI needs the room.
 """
 
 from __future__ import annotations
@@ -14,87 +22,105 @@ import logging
 import weakref
 
 import comfy.model_management as model_management
+import comfy.model_patcher
 import torch
 
 logger = logging.getLogger(__name__)
 
 
-class WanVACE:
-    """What ComfyUI sees as the handle's model; its class name appears in ComfyUI's log lines."""
+class WanVACE(torch.nn.Module):
+    """What ComfyUI sees as the patcher's model: holds no weights; its class name appears in ComfyUI's log."""
 
 
-class ComfyMemoryHandle:
+class WanVACEPatcher(comfy.model_patcher.ModelPatcher):
+    """A ModelPatcher over a weightless placeholder whose sizes come from our residency."""
+
     def __init__(self, model, load_device: torch.device) -> None:
-        self._model = weakref.ref(model)
-        self.load_device = load_device
-        self.offload_device = torch.device("cpu")
-        self.parent = None
-        self.model = WanVACE()
-        self.planned_bytes = 0
+        super().__init__(WanVACE(), load_device=load_device, offload_device=torch.device("cpu"))
+        self._wanvace = weakref.ref(model)  # the pipeline owns its patcher, not the other way round
+        self.incoming_bytes = 0
 
-    def loaded_size(self) -> int:
-        model = self._model()
+    def _held(self) -> int:
+        model = self._wanvace()
         return 0 if model is None else model.device_bytes()
 
     def model_size(self) -> int:
-        return max(self.planned_bytes, self.loaded_size())
+        return self._held() + self.incoming_bytes
+
+    def loaded_size(self) -> int:
+        return self._held()
 
     def current_loaded_device(self) -> torch.device:
-        return self.load_device
-
-    def model_patches_models(self) -> list:
-        return []
-
-    def model_patches_to(self, _device_or_dtype) -> None:
-        pass
+        return self.load_device  # where our weights are used; the placeholder's own device means nothing
 
     def model_dtype(self):
-        return None
+        model = self._wanvace()
+        return None if model is None else model.dtype
 
-    def lowvram_patch_counter(self) -> int:
-        return 0
+    def partially_load(self, device_to, extra_memory=0, force_patch_weights=False) -> int:
+        return 0  # the residency moves the weights when a component activates
 
-    def is_clone(self, other) -> bool:
-        # Re-registering ourselves must replace our old entry, not add a second one.
-        return other is self
-
-    def partially_load(self, _device_to, extra_memory=0, force_patch_weights=False) -> int:
-        return 0  # weights move when the offloader activates a component
-
-    def partially_unload(self, _device_to, memory_to_free=0, force_patch_weights=False) -> int:
-        return 0  # no partial eviction: ComfyUI then detaches the whole handle
+    def partially_unload(self, device_to, memory_to_free=0, force_patch_weights=False) -> int:
+        return self._release()
 
     def detach(self, unpatch_all: bool = True):
-        model = self._model()
-        if unpatch_all and model is not None:
-            held = model.release_device_memory()
-            logger.info("WanVACE released %.1f MB of device memory at ComfyUI's request", held / 2**20)
-        return self.model
+        if unpatch_all:
+            self._release()
+        return super().detach(unpatch_all)
+
+    def _release(self) -> int:
+        model = self._wanvace()
+        if model is None:
+            return 0
+        released = model.release_device_memory()
+        logger.info("WanVACE released %.1f MB of device memory at ComfyUI's request", released / 2**20)
+        return released
+
+    def clone(self, *args, **kwargs):
+        raise NotImplementedError("WanVACE pipelines are not cloned by ComfyUI; connect WANVACE_MODEL directly.")
 
 
-_handles: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+class ComfyMemoryBroker:
+    """`DeviceMemoryBroker` for our residency: asks ComfyUI for room, then stays registered as loaded."""
+
+    def __init__(self, patcher: WanVACEPatcher) -> None:
+        self.patcher = patcher
+        self.working_bytes = 0  # activations of the node about to run, passed as memory_required
+
+    def reserve(self, incoming_bytes: int) -> None:
+        self.patcher.incoming_bytes = int(incoming_bytes)
+        try:
+            model_management.load_models_gpu([self.patcher], memory_required=self.working_bytes)
+        finally:
+            self.patcher.incoming_bytes = 0
 
 
-def cooperate(model, device: torch.device) -> None:
-    """Makes `model` ask ComfyUI for room before its weights move to `device`, and obey ComfyUI's unloads.
+_brokers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    With offload that is before each component activates; without, the weights are on the device
-    already (registered now) and are asked room for again only when dropped weights are reloaded.
+
+def cooperate(model, device: torch.device) -> WanVACEPatcher:
+    """Registers `model` with ComfyUI's model management; returns its patcher.
+
+    From now on the residency asks ComfyUI for room before weights move to `device`, and ComfyUI's
+    unloads (also on a CPU-only ComfyUI, where POST /free unloads the cpu device) release them.
     """
-    reference = weakref.ref(model)
+    broker = _brokers.get(model)
+    if broker is None:
+        # The pipeline keeps its patcher alive (ComfyUI holds only weak references to it).
+        broker = _brokers[model] = ComfyMemoryBroker(WanVACEPatcher(model, device))
+    model.residency.broker = broker
+    broker.reserve(0)  # registered now: weights already on the device (mode none) count from the start
+    return broker.patcher
 
-    def make_room(peak_bytes: int) -> None:
-        owner = reference()
-        if owner is None:
-            return
-        handle = _handles.get(owner)
-        if handle is None:
-            handle = _handles[owner] = ComfyMemoryHandle(owner, device)
-        handle.planned_bytes = int(peak_bytes)
-        model_management.load_models_gpu([handle])
 
-    if hasattr(model.offload, "on_activate"):
-        model.offload.on_activate = lambda _component, peak_bytes: make_room(peak_bytes)
-    else:
-        model.on_reload = make_room
-        make_room(model.device_bytes())
+def make_room_before_loading(device: torch.device, incoming_bytes: int) -> None:
+    """Before weights are read straight onto the GPU: let ComfyUI unload its own models first."""
+    if device.type != "cpu":
+        model_management.free_memory(incoming_bytes + model_management.minimum_inference_memory(), device)
+
+
+def set_working_memory(model, working_bytes: int) -> None:
+    """Tells ComfyUI, at the next reservation, how much activation memory the coming work needs."""
+    broker = _brokers.get(model)
+    if broker is not None:
+        broker.working_bytes = int(working_bytes)

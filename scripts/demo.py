@@ -1,6 +1,6 @@
 """Runs a shipped workflow through a real ComfyUI on the built-in tiny model and prints the video path.
 
-    .venv/bin/python scripts/demo.py [--task t2v|i2v|flf2v|r2v|v2v|inpaint|outpaint|extension]
+    .venvs/current/bin/python scripts/demo.py [--task t2v|i2v|flf2v|r2v|v2v|inpaint|outpaint|extension]
 
 The ComfyUI base folder is .cache/demo (models, inputs, outputs, server.log); the tiny model is
 written there on first use. The workflow is the API twin of workflows/wanvace_<task>.json, sized

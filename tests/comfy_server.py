@@ -1,5 +1,7 @@
-"""Drive a real ComfyUI server (from .cache/comfyui) for integration tests and demos.
+"""Drive a real ComfyUI server for integration tests and demos.
 
+The ComfyUI tree is `$WANVACE_COMFY_DIR` (set by scripts/test.sh per dependency set), else
+`.cache/comfyui-current`, else `.cache/comfyui-oldest`; the server runs on this interpreter.
 Kept free of pytest imports so demo scripts can reuse it.
 """
 
@@ -23,8 +25,21 @@ import requests
 import websocket
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_COMFY_DIR = REPO_ROOT / ".cache" / "comfyui"
-DEFAULT_PYTHON = REPO_ROOT / ".venv" / "bin" / "python"
+
+
+def _default_comfy_dir() -> Path:
+    if os.environ.get("WANVACE_COMFY_DIR"):
+        return Path(os.environ["WANVACE_COMFY_DIR"])
+    for name in ("comfyui-current", "comfyui-oldest"):
+        if (REPO_ROOT / ".cache" / name / "main.py").is_file():
+            return REPO_ROOT / ".cache" / name
+    return REPO_ROOT / ".cache" / "comfyui-current"
+
+
+DEFAULT_COMFY_DIR = _default_comfy_dir()
+# Why the ComfyUI server tests of this set do not run (no ComfyUI tree found), or "".
+COMFY_SKIPPED = os.environ.get("WANVACE_COMFY_SKIPPED", "")
+DEFAULT_PYTHON = Path(sys.executable)
 BROWSER_DIR = REPO_ROOT / "tests" / "browser"
 PACKAGE_DIR_NAME = "ComfyUI-WanVACE"
 
@@ -435,102 +450,26 @@ def _status_from_history(history: dict) -> str:
 # --- example media ---------------------------------------------------------
 
 
-def _gradient(w: int, h: int, phase: float = 0.0):
-    import numpy as np
+def _examples_module():
+    """nodes/examples.py on its own (the `nodes` package imports ComfyUI)."""
+    import importlib.util
 
-    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
-    r = (x / max(w - 1, 1)) * 255
-    g = (y / max(h - 1, 1)) * 255
-    b = (0.5 + 0.5 * np.sin((x + y) / 9.0 + phase)) * 255
-    return np.stack([r, g, b], axis=-1).clip(0, 255).astype(np.uint8)
-
-
-def _image_with_shapes(w: int, h: int, phase: float, shapes_color=(255, 255, 255)):
-    from PIL import Image, ImageDraw
-
-    img = Image.fromarray(_gradient(w, h, phase))
-    draw = ImageDraw.Draw(img)
-    cx, cy = w // 2, h // 2
-    r = min(w, h) // 5
-    draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=shapes_color)
-    draw.rectangle([4, 4, 4 + w // 6, 4 + h // 6], fill=(0, 0, 0))
-    return img
-
-
-def _moving_frame(i: int, n: int, size: int, invert: bool):
-    import numpy as np
-    from PIL import Image, ImageDraw
-
-    base = _gradient(size, size, phase=i * 0.3)
-    if invert:
-        base = 255 - base
-    img = Image.fromarray(np.ascontiguousarray(base))
-    draw = ImageDraw.Draw(img)
-    t = i / max(n - 1, 1)
-    r = size // 8
-    x = int(r + t * (size - 2 * r))
-    y = int(size / 2 + (size / 4) * np.sin(2 * np.pi * t))
-    draw.ellipse([x - r, y - r, x + r, y + r], fill=(255, 255, 0))
-    sq = size // 6
-    sx = int((1 - t) * (size - sq))
-    draw.rectangle([sx, 8, sx + sq, 8 + sq], fill=(0, 64, 255))
-    return np.asarray(img)
-
-
-def write_video(path: Path, frames, fps: int = 16) -> None:
-    import av
-
-    path = Path(path)
-    height, width = frames[0].shape[:2]
-    with av.open(str(path), mode="w") as container:
-        stream = container.add_stream("libx264", rate=fps)
-        stream.width = width
-        stream.height = height
-        stream.pix_fmt = "yuv420p"
-        # Constant quality and no B-frame reordering keep the decode exact in frame count.
-        stream.options = {"crf": "18", "bf": "0"}
-        for arr in frames:
-            frame = av.VideoFrame.from_ndarray(arr, format="rgb24")
-            for packet in stream.encode(frame):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
+    spec = importlib.util.spec_from_file_location("wanvace_examples", REPO_ROOT / "nodes" / "examples.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def write_example_inputs(input_dir: Path) -> dict[str, Path]:
-    """Write the deterministic example media the workflows reference.
+    """Put the shipped example inputs (example_inputs/, see scripts/make_example_inputs.py) into input_dir.
 
-    Returns name -> path for every file written.
+    The same copy the pack makes into ComfyUI's input folder when it loads: files already there are
+    kept. Returns name -> path for every example input, copied or not.
     """
-    from PIL import Image, ImageDraw
-
+    examples = _examples_module()
     input_dir = Path(input_dir)
-    input_dir.mkdir(parents=True, exist_ok=True)
-    written: dict[str, Path] = {}
-
-    def save(name: str, img) -> None:
-        p = input_dir / name
-        img.save(p)
-        written[name] = p
-
-    save("wanvace_example_first.png", _image_with_shapes(128, 128, 0.0))
-    save("wanvace_example_last.png", _image_with_shapes(128, 128, 2.0, (255, 64, 64)))
-    save("wanvace_example_ref1.png", _image_with_shapes(96, 64, 1.0, (64, 255, 64)))
-    save("wanvace_example_ref2.png", _image_with_shapes(64, 96, 3.0, (64, 64, 255)))
-
-    mask = Image.new("RGB", (128, 128), (0, 0, 0))
-    ImageDraw.Draw(mask).rectangle([32, 40, 95, 87], fill=(255, 255, 255))
-    save("wanvace_example_mask.png", mask)
-
-    for name, invert in (
-        ("wanvace_example_control.mp4", False),
-        ("wanvace_example_source.mp4", True),
-    ):
-        frames = [_moving_frame(i, 17, 128, invert) for i in range(17)]
-        p = input_dir / name
-        write_video(p, frames, fps=16)
-        written[name] = p
-    return written
+    examples.copy_missing_examples(input_dir)
+    return {p.name: input_dir / p.name for p in sorted(examples.EXAMPLE_DIR.iterdir()) if p.is_file()}
 
 
 def count_video_frames(path: Path) -> int:

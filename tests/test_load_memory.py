@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from wanvace_core.memory import measure_load_in_subprocess, write_transformer_folder
+from tests.rss import measure_load_in_subprocess, write_transformer_folder
 
 pytestmark = [
     pytest.mark.slow,

@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from tests.offload_probes import BlockProbe, MeasuredTransfer
 from tests.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH, build_task
 from wanvace_core import (
     CacheOptions,
@@ -44,10 +45,14 @@ def reference(tiny_folder):
     return _run(load_pipeline(tiny_folder, "fp32"))
 
 
-def _offloaded(tiny_folder, **options):
+def _offloaded(tiny_folder, transfer=None, **options):
     model = load_pipeline(tiny_folder, "fp32")
-    attach_offload(model, OffloadOptions(**options), SynchronousTransfer())
+    attach_offload(model, OffloadOptions(**options), transfer or SynchronousTransfer())
     return model
+
+
+def _all_units(model):
+    return [unit for name in COMPONENTS for unit in model.residency.units_of(name)]
 
 
 @pytest.mark.parametrize(
@@ -60,63 +65,77 @@ def _offloaded(tiny_folder, **options):
     ],
 )
 def test_offload_modes_give_bitwise_equal_latents_and_frames(options, tiny_folder, reference):
-    model = _offloaded(tiny_folder, **options)
+    transfer = MeasuredTransfer()
+    model = _offloaded(tiny_folder, transfer, **options)
     latents, frames = _run(model)
     assert torch.equal(latents, reference[0])
     assert torch.equal(frames, reference[1])
-    model.offload.release_all()
-    assert model.offload.device_bytes() == 0
+    assert transfer.live_bytes() > 0  # the VAE stays on the device after decoding
+    released = model.residency.release_all()
+    assert transfer.live_bytes() == 0  # measured: every device copy was freed
+    assert released > 0 and model.residency.device_bytes() == 0
 
 
 def test_model_mode_runs_one_component_at_a_time_in_pipeline_order(tiny_folder):
-    model = _offloaded(tiny_folder, mode="model")
+    transfer = MeasuredTransfer()
+    model = _offloaded(tiny_folder, transfer, mode="model")
+    sizes = {name: model.weight_bytes([name]) for name in COMPONENTS}
+    peaks = []
+    original_load = transfer.load
+
+    def load_and_measure(unit):
+        tensors = original_load(unit)
+        peaks.append(transfer.live_bytes())
+        return tensors
+
+    transfer.load = load_and_measure
     _run(model)
-    onloads = [event.unit for event in model.offload.events if event.kind == "onload"]
-    assert onloads == ["text_encoder", "vae", "transformer", "transformer_2", "vae"]
-    assert all(len(event.resident) <= 1 for event in model.offload.events)
-    assert model.offload.active == "vae"
-    assert model.offload.device_bytes() == model.offload.units["vae"].nbytes
+    assert transfer.loads == ["text_encoder", "vae", "transformer", "transformer_2", "vae"]
+    # Right after each copy, only that component's weights are alive on the device (each copy's storage
+    # carries at most 64 alignment bytes per tensor).
+    for peak, name in zip(peaks, transfer.loads, strict=True):
+        assert sizes[name] <= peak <= sizes[name] + 64 * len(model.residency.units[name].host)
+    assert transfer.live_bytes() >= sizes["vae"] == model.residency.device_bytes()
 
 
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
 def test_layerwise_streams_blocks_in_execution_order_with_bounded_residency(prefetch, tiny_folder):
-    model = _offloaded(tiny_folder, mode="layerwise", prefetch_blocks=prefetch)
+    transfer = MeasuredTransfer()
+    model = _offloaded(tiny_folder, transfer, mode="layerwise", prefetch_blocks=prefetch)
+    probe = BlockProbe(model, transfer)
     _run(model)
-    events = model.offload.events
     order = execution_order(model.transformer)
     assert order[:3] == ["vace_blocks.0", "blocks.0", "blocks.1"]
     for expert in ("transformer", "transformer_2"):
-        blocks = [event for event in events if event.unit.startswith(expert + ".")]
-        onloads = [event.unit.removeprefix(expert + ".") for event in blocks if event.kind == "onload"]
-        passes = len(onloads) // len(order)
-        assert passes >= 2 and onloads == order * passes
-        for event in blocks:
-            resident = [name for name in event.resident if name.startswith(expert + ".")]
-            assert len(resident) <= prefetch + 1
-        # Each block goes back right after it ran: offloads follow the same order.
-        offloads = [event.unit.removeprefix(expert + ".") for event in blocks if event.kind == "offload"]
-        assert offloads == order * passes
-    # The two experts' non-block weights are never resident together.
-    assert all(not {"transformer", "transformer_2"} <= set(event.resident) for event in events)
+        runs = probe.runs[expert]
+        passes = len(runs) // len(order)
+        assert passes >= 2 and runs == order * passes
+        # Seen from the blocks: each runs on a device copy, bound only while it runs.
+        assert max(probe.resident_when_run[expert]) == 1
+        # Measured from the copies' storages: the running block plus the prefetch window, never more.
+        assert max(probe.live_copies_when_run[expert]) == prefetch + 1
+    probe.remove()
 
 
 def test_layerwise_with_cache_skips_blocks_keeps_the_bound_and_the_result(tiny_folder):
     eager = ExpertCacheLimits(max_warmup_steps=1)
     cache = CacheOptions(residual_diff_threshold=0.2, high_noise=eager, low_noise=eager)
     expected = _run(load_pipeline(tiny_folder, "fp32"), cache=cache)
-    model = _offloaded(tiny_folder, mode="layerwise", prefetch_blocks=1)
+    transfer = MeasuredTransfer()
+    model = _offloaded(tiny_folder, transfer, mode="layerwise", prefetch_blocks=1)
+    probe = BlockProbe(model, transfer)
     latents, frames, report = _run(model, cache=cache, with_report=True)
     assert all(expert.cached_steps for expert in report.experts)
     assert torch.equal(latents, expected[0]) and torch.equal(frames, expected[1])
     for expert in ("transformer", "transformer_2"):
-        for event in model.offload.events:
-            assert len([name for name in event.resident if name.startswith(expert + ".")]) <= 2
+        assert max(probe.live_copies_when_run[expert]) <= 2
+    probe.remove()
 
 
 @pytest.mark.parametrize("mode", ["model", "layerwise"])
 def test_every_parameter_and_buffer_is_covered_exactly_once(mode, tiny_folder):
     model = _offloaded(tiny_folder, mode=mode)
-    units = model.offload.all_units()
+    units = _all_units(model)
     params = [id(module._parameters[attr]) for unit in units for module, attr, is_param in unit.slots if is_param]
     buffers = [(id(module), attr) for unit in units for module, attr, is_param in unit.slots if not is_param]
     components = [getattr(model, name) for name in COMPONENTS]
@@ -140,7 +159,8 @@ def test_attaching_twice_does_not_stack_hooks_and_detach_restores_the_model(tiny
     assert (len(model.transformer._forward_pre_hooks), len(model.transformer.blocks[0]._forward_pre_hooks)) == hooks
     assert torch.equal(_run(model)[0], reference[0])
     attach_offload(model, OffloadOptions(mode="none"))
-    assert not model.transformer._forward_pre_hooks and not model.transformer.blocks[0]._forward_pre_hooks
+    # Mode none keeps only its activation hook on each expert; no block hooks remain.
+    assert len(model.transformer._forward_pre_hooks) == 1 and not model.transformer.blocks[0]._forward_pre_hooks
     assert torch.equal(_run(model)[0], reference[0])
 
 
@@ -157,8 +177,8 @@ def test_an_error_inside_a_block_leaves_nothing_on_the_device(tiny_folder, refer
     with pytest.raises(Boom):
         _run(model)
     handle.remove()
-    assert model.offload.device_bytes() == 0
-    assert all(t.data_ptr() == h.data_ptr() for unit in model.offload.all_units() for t, h in _bound(unit))
+    assert model.residency.device_bytes() == 0
+    assert all(t.data_ptr() == h.data_ptr() for unit in _all_units(model) for t, h in _bound(unit))
     assert torch.equal(_run(model)[0], reference[0])
 
 
@@ -197,43 +217,43 @@ def test_cuda_offload_matches_none_and_keeps_weights_off_the_device(mode, prefet
     on_device = load_pipeline(tiny_folder, "bf16", device="cuda")
     expected = _run(on_device)
     del on_device
-    model = load_pipeline(tiny_folder, "bf16", device="cpu")
-    model.device = torch.device("cuda")
-    attach_offload(model, OffloadOptions(mode=mode, prefetch_blocks=prefetch))
+    model = load_pipeline(
+        tiny_folder, "bf16", device="cuda", offload=OffloadOptions(mode=mode, prefetch_blocks=prefetch)
+    )
     for _ in range(2):  # the second run reuses ring slots and pinned buffers
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
         latents, frames = _run(model)
         assert torch.equal(latents.cpu(), expected[0].cpu()) and torch.equal(frames, expected[1])
-        assert model.offload.device_bytes() <= model.offload.peak_device_bytes()
-    model.offload.release_all()
-    assert model.offload.device_bytes() == 0
-    assert all(t.data_ptr() == h.data_ptr() for unit in model.offload.all_units() for t, h in _bound(unit))
-    model.offload.detach()
+        assert model.residency.device_bytes() <= model.residency.planned_bytes()
+    model.residency.release_all()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() <= before  # measured by the allocator: the weights' memory is back
+    assert model.residency.device_bytes() == 0
+    assert all(t.data_ptr() == h.data_ptr() for unit in _all_units(model) for t, h in _bound(unit))
+    model.close_residency()
 
 
 def test_layerwise_follows_cache_dit_block_order_while_caching(tiny_folder):
     from wanvace_core.interleave import stock_execution_order
 
     never = ExpertCacheLimits(max_warmup_steps=1000)
-    model = _offloaded(tiny_folder, mode="layerwise", prefetch_blocks=1)
+    transfer = MeasuredTransfer()
+    model = _offloaded(tiny_folder, transfer, mode="layerwise", prefetch_blocks=1)
+    probe = BlockProbe(model, transfer)  # hooks the real blocks, so it sees what runs under cache-dit's wrapper
     _run(model, cache=CacheOptions(high_noise=never, low_noise=never))
     order = stock_execution_order(model.transformer)
     assert order[:3] == ["vace_blocks.0", "vace_blocks.1", "blocks.0"]
     for expert in ("transformer", "transformer_2"):
-        onloads = [
-            event.unit.removeprefix(expert + ".")
-            for event in model.offload.events
-            if event.kind == "onload" and event.unit.startswith(expert + ".")
-        ]
-        assert onloads == order * (len(onloads) // len(order)) and onloads
+        runs = probe.runs[expert]
+        assert runs == order * (len(runs) // len(order)) and runs
+        assert max(probe.live_copies_when_run[expert]) <= 2
+    probe.remove()
     # Back to the interleaved order once caching is off again.
-    model.offload.events.clear()
+    probe = BlockProbe(model)
     _run(model)
-    onloads = [
-        event.unit.removeprefix("transformer.")
-        for event in model.offload.events
-        if event.kind == "onload" and event.unit.startswith("transformer.")
-    ]
-    assert onloads[:3] == ["vace_blocks.0", "blocks.0", "blocks.1"]
+    assert probe.runs["transformer"][:3] == ["vace_blocks.0", "blocks.0", "blocks.1"]
+    probe.remove()
 
 
 def _file_mappings() -> list[tuple[int, int]]:
@@ -270,7 +290,7 @@ def test_offloaded_bf16_experts_stay_memory_mapped_in_host_memory(mode, bf16_fol
     _run(model)
     mappings = _file_mappings()
     for expert in ("transformer", "transformer_2"):
-        units = [unit for unit in model.offload.all_units() if unit.name.split(".")[0] == expert]
+        units = model.residency.units_of(expert)
         host = [tensor for unit in units for tensor in unit.host if tensor.dtype == torch.bfloat16]
         assert host and all(tensor.device.type == "cpu" for tensor in host)
         outside = [t.shape for t in host if not any(start <= t.data_ptr() < end for start, end in mappings)]
@@ -295,22 +315,33 @@ def test_released_device_memory_comes_back_at_the_next_use_with_equal_results(op
         assert released == held - model.device_bytes() == _parameter_bytes(model, model.components)
     else:
         assert released == held and model.device_bytes() == 0
-    reloads = []
-    model.on_reload = reloads.append
+    broker = _RecordingBroker()
+    model.residency.broker = broker
     latents, frames = _run(model)
     assert torch.equal(latents, reference[0]) and torch.equal(frames, reference[1])
     if options is None:
         # Each use reads back only what it needs: the prompts were encoded before, so the text encoder
         # stays dropped.
-        assert model.dropped == {"text_encoder"}
-        assert reloads == [_parameter_bytes(model, ["vae"]), _parameter_bytes(model, ["transformer", "transformer_2"])]
+        assert model.residency.dropped == {"text_encoder"}
+        assert broker.reserved == [_parameter_bytes(model, [name]) for name in ("vae", "transformer", "transformer_2")]
         assert not any(
             param.is_meta
             for name in ("vae", "transformer", "transformer_2")
             for param in model.components[name].parameters()
         )
     else:
-        assert reloads == []  # offload re-onloads from host memory; nothing is read from disk
+        # Offload re-onloads from host memory, asking for each component's room; nothing is read from disk.
+        assert broker.reserved == [
+            model.residency.planned_bytes(n) for n in ("vae", "transformer", "transformer_2", "vae")
+        ]
+
+
+class _RecordingBroker:
+    def __init__(self) -> None:
+        self.reserved: list[int] = []
+
+    def reserve(self, incoming_bytes: int) -> None:
+        self.reserved.append(incoming_bytes)
 
 
 def test_a_failed_reload_leaves_nothing_loaded_and_the_next_one_works(tiny_folder, reference, monkeypatch):
@@ -342,7 +373,7 @@ def test_weights_changed_on_disk_are_not_read_back_silently(tiny_folder, tmp_pat
     weights.write_bytes(weights.read_bytes())  # same bytes, new file: a replaced download
     os.utime(weights, ns=(1, 1))
     with pytest.raises(WanVACEModelFolderError, match="changed since this model was loaded"):
-        model.ensure_loaded("vae")
+        model.activate("vae")
 
 
 def _parameter_bytes(model, names):

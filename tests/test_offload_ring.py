@@ -37,7 +37,9 @@ def _observed_run(model, ops, **kwargs):
 def _ring_model(tiny_folder, ops, **options):
     model = load_pipeline(tiny_folder, "fp32")
     attach_offload(model, OffloadOptions(mode="layerwise", **options), stream_ops=ops)
-    assert isinstance(model.offload.transfer, RingTransfer)
+    assert isinstance(model.residency.transfer, RingTransfer)
+    model.offload_events = []
+    model.residency.observers.append(model.offload_events.append)
     return model
 
 
@@ -45,17 +47,17 @@ def _ring_model(tiny_folder, ops, **options):
 def test_ring_results_are_bitwise_equal_and_device_memory_is_the_ring(prefetch, tiny_folder, reference):
     ops = SimulatedStreamOps()
     model = _ring_model(tiny_folder, ops, prefetch_blocks=prefetch)
-    ring = model.offload.transfer
+    ring = model.residency.transfer
     latents, frames = _observed_run(model, ops)
     assert torch.equal(latents, reference[0]) and torch.equal(frames, reference[1])
     assert ring.capacity == prefetch + 1
     assert ops.copies_run > 0
     # Streaming every block of every pass allocated no more than the slots, however long the run.
     assert ops.peak_device_bytes == ring.capacity * ring.slot_bytes
-    blocks = [unit for streamer in model.offload.streamers.values() for unit in streamer.units.values()]
+    blocks = [unit for streamer in model.residency.streamers.values() for unit in streamer.units.values()]
     assert ring.slot_bytes == max(unit.staged_nbytes for unit in blocks)
     assert sum(buffer.numel() for buffer in ring.pinned) == ring.capacity * ring.slot_bytes
-    for event in model.offload.events:
+    for event in model.offload_events:
         for expert in ("transformer", "transformer_2"):
             assert len([name for name in event.resident if name.startswith(expert + ".")]) <= prefetch + 1
 
@@ -64,8 +66,8 @@ def test_ring_gives_its_device_slots_back_on_release_and_reallocates_on_the_next
     ops = SimulatedStreamOps()
     model = _ring_model(tiny_folder, ops, prefetch_blocks=1)
     _observed_run(model, ops)
-    model.offload.release_all()
-    assert model.offload.device_bytes() == 0 and model.offload.transfer.device_slots is None
+    model.residency.release_all()
+    assert model.residency.device_bytes() == 0 and model.residency.transfer.device_slots is None
     assert ops.pending() == 0
     latents, frames = _observed_run(model, ops)
     assert torch.equal(latents, reference[0]) and torch.equal(frames, reference[1])
@@ -80,19 +82,21 @@ def test_ring_with_cache_skips_releases_unused_prefetches_safely(tiny_folder):
     latents, frames, report = _observed_run(model, ops, cache=cache, with_report=True)
     assert all(expert.cached_steps for expert in report.experts)
     assert torch.equal(latents, expected[0]) and torch.equal(frames, expected[1])
-    model.offload.release_all()
+    model.residency.release_all()
     assert ops.pending() == 0  # skipped prefetches' copies were waited for before their slots went back
 
 
 def test_a_ring_smaller_than_the_prefetch_window_prefetches_less(tiny_folder, reference):
     model = _ring_model(tiny_folder, SimulatedStreamOps(), prefetch_blocks=0)  # sizes the slots for this model
     ops = SimulatedStreamOps()
-    ring = RingTransfer(ops, slots=2, slot_bytes=model.offload.transfer.slot_bytes)
+    ring = RingTransfer(ops, slots=2, slot_bytes=model.residency.transfer.slot_bytes)
     attach_offload(model, OffloadOptions(mode="layerwise", prefetch_blocks=3), ring)
-    assert model.offload.prefetch_blocks == 1
+    model.offload_events = []
+    model.residency.observers.append(model.offload_events.append)
+    assert model.residency.prefetch_blocks == 1
     latents, frames = _observed_run(model, ops)
     assert torch.equal(latents, reference[0]) and torch.equal(frames, reference[1])
-    assert max(len(event.resident) for event in model.offload.events) <= 3  # expert's own weights + 2 blocks
+    assert max(len(event.resident) for event in model.offload_events) <= 3  # expert's own weights + 2 blocks
 
 
 @pytest.mark.parametrize("ops_class", [ForgetsStreamWaits, ForgetsHostSync])

@@ -14,7 +14,8 @@ from .errors import WanVACEError, WanVACEInputError, WanVACEModelFolderError
 from .folder import find_pipeline_folders, inspect_pipeline_folder
 from .loading import DTYPES, load_pipeline
 from .model import WanVACEModel
-from .offload import OFFLOAD_MODES, OffloadOptions, attach_offload
+from .offload import OFFLOAD_MODES, DeviceMemoryBroker, OffloadOptions, Residency
+from .runtime import attach_offload
 from .sampling import SCHEDULERS, SampleResult, SamplerSettings, sample
 
 __all__ = [
@@ -24,8 +25,10 @@ __all__ = [
     "SCHEDULERS",
     "CacheOptions",
     "CacheReport",
+    "DeviceMemoryBroker",
     "ExpertCacheLimits",
     "OffloadOptions",
+    "Residency",
     "SampleResult",
     "SamplerSettings",
     "VACEConditioning",

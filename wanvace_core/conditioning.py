@@ -15,6 +15,7 @@ import torch
 
 from .errors import WanVACEInputError
 from .model import WanVACEModel
+from .validation import validate_finite, validate_integer
 
 _PAD_GREY = 0.5
 
@@ -52,6 +53,9 @@ def validate_generation_size(
     width: int, height: int, length: int, spatial_multiple: int = 16, temporal_stride: int = 4
 ):
     """Checks the output size; raises `WanVACEInputError` with the nearest valid values."""
+    validate_integer("width", width, f"use a positive multiple of {spatial_multiple} such as 832")
+    validate_integer("height", height, f"use a positive multiple of {spatial_multiple} such as 480")
+    validate_integer("length", length, f"use a frame count of the form {temporal_stride}n+1 such as 81")
     for name, value in (("width", width), ("height", height)):
         if value <= 0 or value % spatial_multiple:
             nearest = max(spatial_multiple, round(value / spatial_multiple) * spatial_multiple)
@@ -64,7 +68,9 @@ def validate_generation_size(
 
 
 def validate_prompt(positive: str) -> None:
-    if not positive or not positive.strip():
+    if not isinstance(positive, str):
+        raise WanVACEInputError(f"positive={positive!r} is not a string; describe the video you want in text.")
+    if not positive.strip():
         raise WanVACEInputError("positive prompt is empty; describe the video you want (the model needs text).")
 
 
@@ -89,7 +95,10 @@ def validate_vace_inputs(inputs: VACEInputs, spatial_multiple: int = 16, tempora
     """Validates everything before any encoding starts."""
     validate_generation_size(inputs.width, inputs.height, inputs.length, spatial_multiple, temporal_stride)
     validate_prompt(inputs.positive)
-    if not 0.0 <= inputs.strength <= 10.0:
+    if not isinstance(inputs.negative, str):
+        raise WanVACEInputError(f"negative={inputs.negative!r} is not a string; give a text prompt (it may be empty).")
+    strength_fix = "use a value in [0, 10]; 1.0 is the trained value"
+    if not 0.0 <= validate_finite("strength", inputs.strength, strength_fix) <= 10.0:
         raise WanVACEInputError(f"strength={inputs.strength} is outside [0, 10]; 1.0 is the trained value.")
     size = (inputs.width, inputs.height, inputs.length)
     if inputs.control_video is not None:
@@ -154,7 +163,6 @@ def _reference_canvases(model: WanVACEModel, images: torch.Tensor, height: int, 
 def prepare_conditioning(model: WanVACEModel, inputs: VACEInputs) -> VACEConditioning:
     """Encodes prompts and VACE inputs exactly as diffusers' WanVACEPipeline does."""
     validate_vace_inputs(inputs, model.spatial_multiple, model.temporal_stride)
-    model.ensure_loaded("vae")  # the text encoder is reloaded only for a prompt not encoded before
     pipeline = model.helper
     prompt_embeds = model.encode_prompt(inputs.positive)
     negative_prompt_embeds = model.encode_prompt(inputs.negative)
@@ -167,7 +175,7 @@ def prepare_conditioning(model: WanVACEModel, inputs: VACEInputs) -> VACEConditi
     if inputs.reference_images is not None:
         references = _reference_canvases(model, inputs.reference_images, inputs.height, inputs.width)
 
-    model.offload.activate("vae")
+    model.activate("vae")
     latents = pipeline.prepare_video_latents(video, mask, [references], None, model.device)
     packed_mask = pipeline.prepare_masks(mask, [references], None)
     conditioning_latents = torch.cat([latents, packed_mask], dim=1).to(model.transformer_dtype)

@@ -36,8 +36,7 @@ def decode(model: WanVACEModel, vae_latents: torch.Tensor) -> torch.Tensor:
             "height/8, width/8] such as WanVACESampler's output."
         )
     latents = vae_latents.to(model.device, model.vae.dtype)
-    model.ensure_loaded("vae")
-    model.offload.activate("vae")
+    model.activate("vae")
     video = model.vae.decode(latents, return_dict=False)[0]
     frames = model.helper.video_processor.postprocess_video(video, output_type="pt")  # [B, T, C, H, W]
     return frames.flatten(0, 1).permute(0, 2, 3, 1).float().cpu()

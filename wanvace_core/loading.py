@@ -31,6 +31,8 @@ from safetensors import safe_open
 from .errors import WanVACEModelFolderError
 from .folder import ComponentFiles, inspect_pipeline_folder, read_safetensors_header
 from .model import WanVACEModel
+from .offload import OffloadOptions
+from .runtime import compose
 
 logger = logging.getLogger(__name__)
 
@@ -229,17 +231,6 @@ def _fill(module: torch.nn.Module, files: ComponentFiles, dtype: torch.dtype, de
         )
 
 
-def drop_weights(module: torch.nn.Module) -> None:
-    """Replaces every parameter of `module` by a meta placeholder, freeing its memory; `refill_weights` undoes it."""
-    placeholders: dict[int, torch.nn.Parameter] = {}  # tied parameters stay tied
-    for name, param in list(module.named_parameters(remove_duplicate=False)):
-        if id(param) not in placeholders:
-            empty = torch.empty(param.shape, dtype=param.dtype, device="meta")
-            placeholders[id(param)] = type(param)(empty, requires_grad=param.requires_grad)
-        owner, attr = _owner(module, name)
-        owner._parameters[attr] = placeholders[id(param)]
-
-
 def file_stamps(layout) -> dict[str, tuple[int, int]]:
     """(size, mtime) of every weight file of a pipeline folder, to tell later whether they changed."""
     stamps = {}
@@ -250,31 +241,47 @@ def file_stamps(layout) -> dict[str, tuple[int, int]]:
     return stamps
 
 
-def refill_weights(model: WanVACEModel, names: list[str]) -> None:
-    """Reads the weights `drop_weights` dropped from components `names` back from the model's folder."""
-    layout = inspect_pipeline_folder(model.source, check_weights=False)
-    if model.file_stamps and file_stamps(layout) != model.file_stamps:
-        raise WanVACEModelFolderError(
-            f"The weight files in {model.source} changed since this model was loaded, so its unloaded weights "
-            "cannot be read back; load the model again (re-run the loader, or change one of its inputs)."
-        )
-    for name in names:
-        module = getattr(model, name)
-        _fill(module, layout.components[name], model.dtype, model.device)
+class FolderWeights:
+    """The `WeightSource` of a pipeline folder: reads dropped weights back exactly as they were loaded.
+
+    A reload must read the same weights: if a file's size or mtime changed since the load, it refuses.
+    """
+
+    def __init__(self, layout, dtype: torch.dtype) -> None:
+        self.layout = layout
+        self.dtype = dtype
+        self.stamps = file_stamps(layout)
+
+    def refill(self, name: str, module: torch.nn.Module, device: torch.device) -> None:
+        layout = inspect_pipeline_folder(self.layout.path, check_weights=False)
+        if file_stamps(layout) != self.stamps:
+            raise WanVACEModelFolderError(
+                f"The weight files in {self.layout.path} changed since this model was loaded, so its unloaded "
+                "weights cannot be read back; load the model again (re-run the loader, or change one of its inputs)."
+            )
+        _fill(module, layout.components[name], self.dtype, torch.device(device))
         module.requires_grad_(False)
-    logger.info("Reloaded WanVACE weights of %s (%s) onto %s", model.source, ", ".join(names), model.device)
+        logger.info("Reloaded WanVACE weights of %s (%s) onto %s", self.layout.path, name, device)
 
 
-def load_pipeline(path: str | Path, dtype: str = "bf16", device: str | torch.device = "cpu") -> WanVACEModel:
-    """Loads a WanVACE pipeline folder (Wan2.2 two-expert or Wan2.1 single transformer)."""
+def load_pipeline(
+    path: str | Path, dtype: str = "bf16", device: str | torch.device = "cpu", offload: OffloadOptions | None = None
+) -> WanVACEModel:
+    """Loads a WanVACE pipeline folder (Wan2.2 two-expert or Wan2.1 single transformer).
+
+    Without `offload` (or with mode `none`) the weights go straight to `device`; with an offload mode they
+    stay in host memory (memory-mapped where the dtype matches the files) and move to `device` on demand.
+    """
     if dtype not in DTYPES:
         raise WanVACEModelFolderError(f"dtype={dtype!r} is not supported; choose one of {', '.join(DTYPES)}.")
     torch_dtype = DTYPES[dtype]
     device = torch.device(device)
+    offload = offload or OffloadOptions()
+    load_device = device if offload.mode == "none" else torch.device("cpu")
     layout = inspect_pipeline_folder(path)
     model_index = json.loads((layout.path / "model_index.json").read_text())
     modules = {
-        name: load_component(_component_class(model_index, name), files, torch_dtype, device)
+        name: load_component(_component_class(model_index, name), files, torch_dtype, load_device)
         for name, files in layout.components.items()
     }
     tokenizer_cls = _component_class(model_index, "tokenizer")
@@ -282,7 +289,7 @@ def load_pipeline(path: str | Path, dtype: str = "bf16", device: str | torch.dev
     scheduler_cls = _component_class(model_index, "scheduler")
     scheduler_config = scheduler_cls.load_config(layout.path / "scheduler")
     logger.info("Loaded WanVACE pipeline %s (%s, %s)", layout.path, dtype, ", ".join(modules))
-    return WanVACEModel(
+    model = WanVACEModel(
         source=layout.path,
         dtype=torch_dtype,
         device=device,
@@ -293,5 +300,7 @@ def load_pipeline(path: str | Path, dtype: str = "bf16", device: str | torch.dev
         transformer_2=modules.get("transformer_2"),
         scheduler_config=dict(scheduler_config),
         boundary_ratio=layout.boundary_ratio,
-        file_stamps=file_stamps(layout),
+        weights=FolderWeights(layout, torch_dtype),
     )
+    compose(model, offload)
+    return model

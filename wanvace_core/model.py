@@ -6,14 +6,12 @@ import logging
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from .interleave import apply_interleaved_vace
-from .offload import NoOffload
+from .offload import Residency, WeightSource, tensor_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +27,8 @@ class WanVACEModel:
     """A WanVACE pipeline loaded into memory.
 
     `transformer` is the high-noise expert and `transformer_2` the low-noise one (diffusers naming);
-    a Wan2.1-VACE folder has only `transformer`.
+    a Wan2.1-VACE folder has only `transformer`. `weights` reads dropped weights back; `residency`
+    decides where the weights live (`wanvace_core.runtime.compose` sets both up, in one place).
     """
 
     source: Path
@@ -42,22 +41,16 @@ class WanVACEModel:
     transformer_2: torch.nn.Module | None
     scheduler_config: dict
     boundary_ratio: float | None
+    weights: WeightSource
     max_sequence_length: int = 512
     _prompt_cache: OrderedDict = field(default_factory=OrderedDict, repr=False)
-    # Re-entrant: ComfyUI may call back into release_device_memory while ensure_loaded asks it for room.
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
     _helper: object = field(default=None, repr=False)
-    offload: object = field(default_factory=lambda: NoOffload(), repr=False)
-    # Called as on_reload(bytes) before dropped weights are read back, so a host application (ComfyUI)
-    # can make room on the device first.
-    on_reload: Callable[[int], None] | None = field(default=None, repr=False)
-    dropped: set[str] = field(default_factory=set, repr=False)  # components whose weights were dropped
-    # (size, mtime) of each weight file at load: a reload must read the same weights back.
-    file_stamps: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)
+    offload_options: object = None  # the OffloadOptions the residency was made for
+    _residency: Residency | None = field(default=None, repr=False)
+    _close_residency: weakref.finalize | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        for expert in self.experts:
-            apply_interleaved_vace(expert)
         weakref.finalize(self, _log_release, str(self.source))
 
     @property
@@ -66,68 +59,42 @@ class WanVACEModel:
         modules.update({name: getattr(self, name) for name in ("transformer", "transformer_2")})
         return {name: module for name, module in modules.items() if module is not None}
 
-    def _unique_tensors(self, names: Iterable[str] | None, buffers: bool) -> list[torch.Tensor]:
-        components = self.components
-        unique: dict[int, torch.Tensor] = {}
-        for name in components if names is None else names:
-            module = components[name]
-            for tensor in [*module.parameters(), *(module.buffers() if buffers else ())]:
-                unique.setdefault(id(tensor), tensor)
-        return list(unique.values())
+    @property
+    def residency(self) -> Residency:
+        return self._residency
 
-    def weight_bytes(self, names: Iterable[str] | None = None) -> int:
+    def close_residency(self) -> None:
+        """Closes the current residency (at most once): hooks removed, device and pinned buffers given back."""
+        if self._close_residency is not None:
+            self._close_residency()
+
+    @residency.setter
+    def residency(self, residency: Residency) -> None:
+        """Replaces the residency; the old one is closed. The new one closes when this model is dropped."""
+        self.close_residency()
+        broker = None if self._residency is None else self._residency.broker
+        self._residency = residency
+        residency.broker = broker
+        # Pinned buffers and hooks must not outlive the model; the finalizer holds no reference to it.
+        self._close_residency = weakref.finalize(self, residency.close)
+
+    def weight_bytes(self, names=None) -> int:
         """Bytes of the parameters and buffers (each once) of components `names` (default all) held now."""
-        tensors = self._unique_tensors(names, buffers=True)
-        return sum(tensor.numel() * tensor.element_size() for tensor in tensors if not tensor.is_meta)
+        components = self.components
+        return tensor_bytes(components[name] for name in (components if names is None else names))
+
+    def activate(self, name: str) -> None:
+        """Makes component `name` runnable on the device (reads it back or moves it there as needed)."""
+        self.residency.activate(name)
 
     def device_bytes(self) -> int:
         """Bytes of weights this model holds on its device now."""
-        if isinstance(self.offload, NoOffload):
-            return self.weight_bytes()
-        return self.offload.device_bytes()
+        return self.residency.device_bytes()
 
     def release_device_memory(self) -> int:
-        """Frees the device memory the weights take (ComfyUI asked for it); returns the bytes released.
-
-        With offload, weights go back to host memory. Without (mode `none`) there is no host copy: the
-        parameters are dropped and `ensure_loaded` reads them back from the folder when next needed.
-        """
+        """Frees the device memory the weights take (ComfyUI asked for it); returns the bytes released."""
         with self._lock:
-            held = self.device_bytes()
-            if not isinstance(self.offload, NoOffload):
-                self.offload.release_all()
-            else:
-                self._drop(self.components)
-            return held - self.device_bytes()
-
-    def _drop(self, names: Iterable[str]) -> None:
-        from .loading import drop_weights
-
-        for name in names:
-            drop_weights(self.components[name])
-            self.dropped.add(name)
-
-    def ensure_loaded(self, *names: str) -> None:
-        """Reads back the dropped weights of components `names` (default all); a no-op for the others."""
-        with self._lock:
-            wanted = [name for name in (names or self.components) if name in self.dropped]
-            if not wanted:
-                return
-            from .loading import refill_weights
-
-            if self.on_reload is not None:
-                self.on_reload(self._parameter_bytes(wanted))
-            try:
-                refill_weights(self, wanted)
-            except BaseException:
-                # Half-read components must not hold device memory that no release would find.
-                self._drop(wanted)
-                raise
-            self.dropped.difference_update(wanted)
-
-    def _parameter_bytes(self, names: Iterable[str]) -> int:
-        """Bytes the parameters of `names` take when loaded (dropped ones included)."""
-        return sum(param.numel() * param.element_size() for param in self._unique_tensors(names, buffers=False))
+            return self.residency.release_all()
 
     @property
     def experts(self) -> list[torch.nn.Module]:
@@ -194,8 +161,7 @@ class WanVACEModel:
             if cached is not None:
                 self._prompt_cache.move_to_end(text)
                 return cached
-        self.ensure_loaded("text_encoder")
-        self.offload.activate("text_encoder")
+        self.activate("text_encoder")
         embeds = self.helper._get_t5_prompt_embeds(
             prompt=text, max_sequence_length=self.max_sequence_length, device=self.device
         ).to(self.transformer_dtype)

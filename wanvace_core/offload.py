@@ -1,6 +1,10 @@
 """Where weights live while a pipeline runs: all on the device, one component at a time, or block by block.
 
-- `none`: every component is on the compute device.
+Every mode is a `Residency` with the same methods (activate, settle, release_all, device_bytes,
+planned_bytes, close), so the model, the sampler and the ComfyUI glue never ask which mode runs:
+
+- `none` (`OnDevice`): every component is on the compute device. `release_all` (ComfyUI's unload)
+  drops the weights, and `activate` reads a dropped component back from its `WeightSource`.
 - `model`: a component moves to the device only while it runs (text encoder, then the high-noise
   expert, then the low-noise expert, then the VAE); activating one sends the previous one back, so
   two experts are never on the device together.
@@ -18,8 +22,10 @@ order, what is freed) is ordinary Python, tested on the CPU.
 from __future__ import annotations
 
 import logging
-from collections import deque
+import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -30,7 +36,6 @@ from .transfer import CudaStreamOps, StreamOps, SynchronousTransfer, Transfer, U
 logger = logging.getLogger(__name__)
 
 OFFLOAD_MODES = ("none", "model", "layerwise")
-_EVENT_HISTORY = 20_000
 COMPONENTS = ("text_encoder", "transformer", "transformer_2", "vae")
 EXPERTS = ("transformer", "transformer_2")
 
@@ -76,11 +81,164 @@ def undeclared_block_lists(module: torch.nn.Module) -> list[str]:
     ]
 
 
-@dataclass
+@dataclass(frozen=True)
 class OffloadEvent:
+    """What an observer attached to `Offloader.observers` is told each time a unit moves."""
+
     kind: str  # "onload" or "offload"
     unit: str
     resident: tuple[str, ...]
+
+
+class DeviceMemoryBroker(Protocol):
+    """The host application's memory manager (ComfyUI's), asked for room before weights move to the device."""
+
+    def reserve(self, incoming_bytes: int) -> None:
+        """Makes room for `incoming_bytes` more weight bytes on the device (may unload other models)."""
+
+
+class WeightSource(Protocol):
+    """Where a component's weights are read back from after they were dropped (the model's files)."""
+
+    def refill(self, name: str, module: torch.nn.Module, device: torch.device) -> None:
+        """Fills the dropped (meta) parameters of component `name` onto `device`."""
+
+
+class Residency:
+    """Where a pipeline's weights live; one implementation per offload mode, all with these methods.
+
+    `broker` (set by a host application) is asked for room before any weight moves to the device.
+    """
+
+    broker: DeviceMemoryBroker | None = None
+
+    def activate(self, name: str) -> None:
+        """Makes component `name` runnable on the device (experts are activated by their forward hooks)."""
+        raise NotImplementedError
+
+    def settle(self) -> None:
+        """After a failed run: nothing may stay on the device that the resting state does not hold."""
+        raise NotImplementedError
+
+    def release_all(self) -> int:
+        """Frees every device byte the weights take (the host asked); returns the bytes released."""
+        raise NotImplementedError
+
+    def device_bytes(self) -> int:
+        """Weight bytes (and streaming buffers) held on the device now."""
+        raise NotImplementedError
+
+    def planned_bytes(self, name: str | None = None) -> int:
+        """The most weight bytes on the device while `name` (default: any component) is active."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Removes every hook and gives back device and pinned buffers; also runs when the model is dropped."""
+        raise NotImplementedError
+
+    def _reserve(self, incoming_bytes: int) -> None:
+        if self.broker is not None and incoming_bytes > 0:
+            self.broker.reserve(incoming_bytes)
+
+
+def _unique_tensors(modules: Iterable[torch.nn.Module], buffers: bool) -> list[torch.Tensor]:
+    unique: dict[int, torch.Tensor] = {}
+    for module in modules:
+        for tensor in [*module.parameters(), *(module.buffers() if buffers else ())]:
+            unique.setdefault(id(tensor), tensor)
+    return list(unique.values())
+
+
+def tensor_bytes(modules: Iterable[torch.nn.Module], buffers: bool = True) -> int:
+    """Bytes the (non-meta) parameters, and optionally buffers, of `modules` take, each tensor once."""
+    return sum(t.numel() * t.element_size() for t in _unique_tensors(modules, buffers) if not t.is_meta)
+
+
+def loaded_parameter_bytes(modules: Iterable[torch.nn.Module]) -> int:
+    """Bytes the parameters of `modules` take once loaded (meta placeholders counted at full size)."""
+    return sum(t.numel() * t.element_size() for t in _unique_tensors(modules, buffers=False))
+
+
+def drop_weights(module: torch.nn.Module) -> None:
+    """Replaces every parameter of `module` by a meta placeholder, freeing its memory; tied ones stay tied."""
+    placeholders: dict[int, torch.nn.Parameter] = {}
+    for name, param in list(module.named_parameters(remove_duplicate=False)):
+        if id(param) not in placeholders:
+            empty = torch.empty(param.shape, dtype=param.dtype, device="meta")
+            placeholders[id(param)] = type(param)(empty, requires_grad=param.requires_grad)
+        owner_name, _, attr = name.rpartition(".")
+        owner = module.get_submodule(owner_name) if owner_name else module
+        owner._parameters[attr] = placeholders[id(param)]
+
+
+def _is_dropped(module: torch.nn.Module) -> bool:
+    return any(param.is_meta for param in module.parameters())
+
+
+def _activate_experts_on_forward(residency: Residency, components: dict[str, torch.nn.Module]) -> list:
+    """Forward pre-hooks that activate each expert just before it runs, whichever mode is attached."""
+    return [
+        components[name].register_forward_pre_hook(lambda *_, _name=name: residency.activate(_name))
+        for name in EXPERTS
+        if components.get(name) is not None
+    ]
+
+
+class OnDevice(Residency):
+    """Mode `none`: every component lives on the device. An unload drops the weights (there is no host
+    copy); the next `activate` of a component reads only that component back from `weights`.
+    """
+
+    def __init__(self, components: dict[str, torch.nn.Module], weights: WeightSource, device) -> None:
+        self.components = {name: module for name, module in components.items() if module is not None}
+        self.weights = weights
+        self.device = torch.device(device)
+        # Re-entrant: the broker (ComfyUI) may call release_all while activate asks it for room.
+        self._lock = threading.RLock()
+        self._hooks = _activate_experts_on_forward(self, self.components)
+
+    @property
+    def dropped(self) -> set[str]:
+        return {name for name, module in self.components.items() if _is_dropped(module)}
+
+    def activate(self, name: str) -> None:
+        with self._lock:
+            module = self.components.get(name)
+            if module is None:
+                return
+            if _is_dropped(module):
+                self._reserve(loaded_parameter_bytes([module]))
+                try:
+                    self.weights.refill(name, module, self.device)
+                except BaseException:
+                    drop_weights(module)  # half-read: hold nothing that no release would find
+                    raise
+            elif any(tensor.device != self.device for tensor in module.parameters()):
+                # Attached after an offload mode: the weights are in host memory and move over once.
+                self._reserve(tensor_bytes([module]))
+                module.to(self.device)
+
+    def settle(self) -> None:
+        pass  # resting state: everything on the device
+
+    def release_all(self) -> int:
+        with self._lock:
+            held = self.device_bytes()
+            for module in self.components.values():
+                drop_weights(module)
+            return held - self.device_bytes()
+
+    def device_bytes(self) -> int:
+        return tensor_bytes(self.components.values())
+
+    def planned_bytes(self, name: str | None = None) -> int:
+        buffers = {id(b): b for module in self.components.values() for b in module.buffers()}.values()
+        return loaded_parameter_bytes(self.components.values()) + sum(b.numel() * b.element_size() for b in buffers)
+
+    def close(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
 
 
 class _BlockStreamer:
@@ -155,8 +313,8 @@ class _BlockStreamer:
             self.release(name)
 
 
-class Offloader:
-    """Moves a pipeline's weights to the compute device as the run needs them.
+class Offloader(Residency):
+    """Modes `model` and `layerwise`: moves a pipeline's weights to the compute device as the run needs them.
 
     `transfer` copies the weights; by default `make_transfer` picks one for `device`, and
     `stream_ops` (tests: a simulated CUDA) makes it a ring over those primitives.
@@ -172,23 +330,19 @@ class Offloader:
         stream_ops: StreamOps | None = None,
     ) -> None:
         self.options = options
-        # Bounded: a long-running server must not keep every event of every run.
-        self.events: deque[OffloadEvent] = deque(maxlen=_EVENT_HISTORY)
+        # Tests and benchmarks append callables here to watch every move; nothing is kept otherwise.
+        self.observers: list[Callable[[OffloadEvent], None]] = []
         self.active: str | None = None
         self._hooks: list = []
-        # Called as on_activate(component, peak_device_bytes) before weights move, so a host application
-        # (ComfyUI) can make room on the device first.
-        self.on_activate = None
         self.units: dict[str, Unit] = {}
         self.streamers: dict[str, _BlockStreamer] = {}
+        # Registered before the streamers' hooks: activating releases other units first, then the
+        # streamer prefetches this expert's first blocks.
+        self._hooks = _activate_experts_on_forward(self, components)
         for name, module in components.items():
             if module is None:
                 continue
             streamed = options.mode == "layerwise" and name in EXPERTS
-            if name in EXPERTS:
-                # Registered before the streamer's hooks: activating releases other units first, then the
-                # streamer prefetches this expert's first blocks.
-                self._hooks.append(module.register_forward_pre_hook(lambda *_, _name=name: self.activate(_name)))
             if streamed:
                 missing = undeclared_block_lists(module)
                 if missing:
@@ -209,9 +363,12 @@ class Offloader:
             self.prefetch_blocks = min(self.prefetch_blocks, transfer.capacity - 1)
 
     def record(self, kind: str, unit: str) -> None:
-        self.events.append(OffloadEvent(kind, unit, tuple(self._resident_names())))
+        if self.observers:
+            event = OffloadEvent(kind, unit, tuple(self._resident_names()))
+            for observer in self.observers:
+                observer(event)
 
-    def detach(self) -> None:
+    def close(self) -> None:
         """Releases everything and removes every hook; the modules behave as if never offloaded."""
         self.release_all()
         for handle in self._hooks:
@@ -233,15 +390,18 @@ class Offloader:
         if name == self.active or name not in self.units:
             return
         self.release_all()
-        if self.on_activate is not None:
-            self.on_activate(name, self.peak_device_bytes(name))
+        self._reserve(self.planned_bytes(name))
         unit = self.units[name]
         unit.bind(self.transfer.load(unit))
         self.active = name
         self.record("onload", name)
 
-    def release_all(self) -> None:
+    def settle(self) -> None:
+        self.release_all()
+
+    def release_all(self) -> int:
         """Sends every weight back to host memory and frees the device buffers (also on ComfyUI's request)."""
+        held = self.device_bytes()
         for streamer in self.streamers.values():
             streamer._forward_end()
         self.transfer.trim()
@@ -250,8 +410,9 @@ class Offloader:
             released, self.active = self.active, None
             self.record("offload", released)
             logger.debug("WanVACE offload: %s back in host memory", released)
+        return held - self.device_bytes()
 
-    def peak_device_bytes(self, name: str | None = None) -> int:
+    def planned_bytes(self, name: str | None = None) -> int:
         """The most weight bytes held on the device while `name` (or, by default, any component) is active."""
         peaks = []
         for component, unit in self.units.items():
@@ -269,24 +430,12 @@ class Offloader:
         in_flight = [streamer.units[name] for streamer in self.streamers.values() for name in streamer.resident]
         return total + self.transfer.device_bytes(in_flight)
 
-    def all_units(self) -> list[Unit]:
-        units = list(self.units.values())
-        for streamer in self.streamers.values():
-            units += streamer.units.values()
+    def units_of(self, component: str) -> list[Unit]:
+        """Every unit that moves weights of `component` (its own, and its streamed blocks)."""
+        units = [self.units[component]] if component in self.units else []
+        if component in self.streamers:
+            units += self.streamers[component].units.values()
         return units
-
-
-class NoOffload:
-    """Mode `none`: weights were loaded onto the device and stay there."""
-
-    def activate(self, name: str) -> None:
-        pass
-
-    def release_all(self) -> None:
-        pass
-
-    def detach(self) -> None:
-        pass
 
 
 def make_transfer(
@@ -301,16 +450,30 @@ def make_transfer(
     return ring_transfer(stream_ops, blocks, options.prefetch_blocks, options.max_pinned_mb)
 
 
-def attach_offload(
-    model, options: OffloadOptions, transfer: Transfer | None = None, *, stream_ops: StreamOps | None = None
-) -> None:
-    """Attaches an offloader to a loaded `WanVACEModel` whose weights sit in host memory.
+def make_residency(
+    options: OffloadOptions,
+    components: dict[str, torch.nn.Module],
+    weights: WeightSource,
+    device: torch.device | str,
+    transfer: Transfer | None = None,
+    *,
+    stream_ops: StreamOps | None = None,
+) -> Residency:
+    """The residency for `options` over loaded `components`.
 
-    A previously attached offloader is detached first, so attaching twice never stacks hooks.
+    Offload modes need the weights in host memory: components whose weights were dropped are read back
+    there from `weights`, and components on another device are moved there, once.
     """
-    model.offload.detach()
+    device = torch.device(device)
     if options.mode == "none":
-        model.offload = NoOffload()
-        return
-    components = {name: getattr(model, name) for name in COMPONENTS}
-    model.offload = Offloader(components, options, transfer, device=model.device, stream_ops=stream_ops)
+        return OnDevice(components, weights, device)
+    for name, module in components.items():
+        if module is None:
+            continue
+        if _is_dropped(module):
+            weights.refill(name, module, torch.device("cpu"))
+        elif any(tensor.device.type != "cpu" for tensor in [*module.parameters(), *module.buffers()]):
+            module.to("cpu")
+    return Offloader(
+        {name: components.get(name) for name in COMPONENTS}, options, transfer, device=device, stream_ops=stream_ops
+    )

@@ -22,6 +22,7 @@ from .caching import CachedExperts, CacheOptions, CacheReport, ExpertRun
 from .conditioning import VACEConditioning
 from .errors import WanVACEInputError
 from .model import WanVACEModel
+from .validation import validate_finite, validate_integer
 
 logger = logging.getLogger(__name__)
 
@@ -44,22 +45,34 @@ class SamplerSettings:
     scheduler: str = "unipc"
 
     def __post_init__(self) -> None:
-        if self.steps < 1:
+        steps = validate_integer("steps", self.steps, "use a whole number of steps; 20-40 is typical")
+        if steps < 1:
             raise WanVACEInputError(f"steps={self.steps} must be at least 1; 20-40 is typical.")
-        if not 0 <= self.seed < 2**64:
+        seed = validate_integer("seed", self.seed, "use a whole number in [0, 2**64)")
+        if not 0 <= seed < 2**64:
             raise WanVACEInputError(f"seed={self.seed} must lie in [0, 2**64).")
         for name in ("cfg", "cfg_low_noise"):
-            if getattr(self, name) < 1.0:
+            fix = "use 1.0 or more (5.0 is typical; 1.0 disables guidance)"
+            if validate_finite(name, getattr(self, name), fix) < 1.0:
                 raise WanVACEInputError(f"{name}={getattr(self, name)} is below 1.0; use 1.0 to disable guidance.")
-        if self.boundary_ratio is not None and not 0.0 <= self.boundary_ratio <= 1.0:
+        ratio_fix = "use a value in [0, 1] (0.875 for Wan2.2), or None for the model's value"
+        if (
+            self.boundary_ratio is not None
+            and not 0.0 <= validate_finite("boundary_ratio", self.boundary_ratio, ratio_fix) <= 1.0
+        ):
             raise WanVACEInputError(
                 f"boundary_ratio={self.boundary_ratio} must lie in [0, 1] (0.875 for Wan2.2); 1.0 runs only the "
                 "low-noise expert, 0.0 only the high-noise expert."
             )
-        if self.shift is not None and self.shift <= 0:
+        shift_fix = "use a positive value (3.0 for 480p, 5.0 for 720p), or None for the model's value"
+        if self.shift is not None and validate_finite("shift", self.shift, shift_fix) <= 0:
             raise WanVACEInputError(f"shift={self.shift} must be positive (3.0 for 480p, 5.0 for 720p).")
-        if self.scheduler not in SCHEDULERS:
-            raise WanVACEInputError(f"scheduler={self.scheduler!r} is unknown; choose one of {', '.join(SCHEDULERS)}.")
+        validate_scheduler(self.scheduler)
+
+
+def validate_scheduler(name: str) -> None:
+    if name not in SCHEDULERS:
+        raise WanVACEInputError(f"scheduler={name!r} is unknown; choose one of {', '.join(SCHEDULERS)}.")
 
 
 def make_scheduler(model: WanVACEModel, name: str, shift: float | None):
@@ -72,6 +85,30 @@ def make_scheduler(model: WanVACEModel, name: str, shift: float | None):
         config.update(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=shift)
         return UniPCMultistepScheduler.from_config(config)
     return FlowMatchEulerDiscreteScheduler(num_train_timesteps=model.num_train_timesteps, shift=shift)
+
+
+def scheduled_timesteps(model: WanVACEModel, settings: SamplerSettings):
+    """A fresh scheduler set to `settings.steps`, and its timesteps; refuses a schedule that repeats timesteps.
+
+    diffusers finds a scheduler's position from the timestep value, so a repeated timestep (a large
+    shift pushes the first ones onto 999, a tiny one the last ones onto 0) makes UniPC fail a bare
+    `assert` on its last step, Euler raise an IndexError, or silently step with the wrong sigmas.
+    """
+    scheduler = make_scheduler(model, settings.scheduler, settings.shift)
+    scheduler.set_timesteps(settings.steps, device=model.device)
+    timesteps = scheduler.timesteps
+    if len(timesteps) != settings.steps or bool((timesteps[1:] >= timesteps[:-1]).any()):
+        shift = (
+            f"shift={settings.shift}"
+            if settings.shift is not None
+            else f"shift=None (the model's {model.default_shift})"
+        )
+        distinct = len(torch.unique(timesteps))
+        raise WanVACEInputError(
+            f"{shift} with steps={settings.steps} makes the {settings.scheduler} scheduler repeat timesteps "
+            f"({distinct} distinct of {settings.steps}); use a shift nearer 3.0 (480p) or 5.0 (720p), or fewer steps."
+        )
+    return scheduler, timesteps
 
 
 @dataclass(frozen=True)
@@ -134,7 +171,7 @@ def _released_on_error(model: WanVACEModel):
     try:
         yield
     except BaseException:
-        model.offload.release_all()
+        model.residency.settle()
         raise
 
 
@@ -159,11 +196,8 @@ def sample(
 ) -> SampleResult:
     """Denoises `cond` with the dual-expert loop; `cache` turns on Cache-DiT for this run only."""
     _check_conditioning_matches(model, cond)
-    model.ensure_loaded("transformer", "transformer_2")
-    scheduler = make_scheduler(model, settings.scheduler, settings.shift)
-    scheduler.set_timesteps(settings.steps, device=model.device)
+    scheduler, timesteps = scheduled_timesteps(model, settings)
     plan = _plan(model, settings)
-    timesteps = scheduler.timesteps
     cached = None if cache is None else CachedExperts(model, cache, _expert_runs(model, plan, timesteps, settings))
     latents = initial_noise(model, cond, settings.seed)
     dtype = model.transformer_dtype

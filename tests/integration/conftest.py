@@ -17,7 +17,7 @@ for _p in (str(_TESTS_DIR), str(_REPO_ROOT)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from comfy_server import DEFAULT_COMFY_DIR, ComfyServer, write_example_inputs  # noqa: E402
+from comfy_server import COMFY_SKIPPED, DEFAULT_COMFY_DIR, ComfyServer, write_example_inputs  # noqa: E402
 
 TINY_TWO_EXPERTS = "wanvace-tiny"
 TINY_SINGLE_EXPERT = "wanvace21-tiny"
@@ -55,6 +55,8 @@ def comfy_base(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def comfy_server(comfy_base):
+    if COMFY_SKIPPED:
+        pytest.skip(f"SKIPPED: no ComfyUI for this dependency set ({COMFY_SKIPPED}); set COMFYUI_DIR")
     if not (DEFAULT_COMFY_DIR / "main.py").is_file():
         pytest.fail(
             f"ComfyUI is not installed at {DEFAULT_COMFY_DIR}; run `bash scripts/setup.sh`",
@@ -66,3 +68,13 @@ def comfy_server(comfy_base):
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def fresh_comfy_base(tmp_path) -> Path:
+    """A base directory of its own (tiny models, example inputs) for a test that starts its own server."""
+    base = tmp_path / "comfy_base"
+    ComfyServer(base).prepare()
+    _write_models(base / "models" / "diffusers")
+    write_example_inputs(base / "input")
+    return base

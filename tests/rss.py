@@ -1,4 +1,4 @@
-"""Host-memory (RSS) measurement helpers for load tests and benchmarks (Linux `/proc`; no ComfyUI import).
+"""Host-memory (RSS) measurement for the load tests and benchmarks (Linux `/proc`); test machinery, not product.
 
 Resident memory is split the way the kernel reports it in `/proc/<pid>/status`:
 
@@ -226,8 +226,8 @@ def _measure_load(loader: str, component_folder: str, dtype_name: str, threads: 
     import torch
     from diffusers import WanVACETransformer3DModel
 
-    from .folder import ComponentFiles, _weight_files
-    from .loading import DTYPES, load_component
+    from wanvace_core.folder import ComponentFiles, _weight_files
+    from wanvace_core.loading import DTYPES, load_component
 
     torch.set_num_threads(threads)
     sys.setswitchinterval(0.0005)  # let the sampler thread in often while the loader holds the GIL
@@ -285,7 +285,7 @@ def measure_load_in_subprocess(loader: str, component_folder, dtype: str, *, thr
 
     repo = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
-    command = [sys.executable, "-m", "wanvace_core.memory", loader, str(component_folder), dtype, str(threads)]
+    command = [sys.executable, str(Path(__file__).resolve()), loader, str(component_folder), dtype, str(threads)]
     done = subprocess.run(command, env=env, cwd=repo, capture_output=True, text=True, timeout=timeout, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr[-4000:]}")
