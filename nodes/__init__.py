@@ -5,13 +5,20 @@ from comfy_api.latest import ComfyExtension, io
 from .cache import WanVACECacheOptions
 from .conditioning import WanVACEConditioning
 from .decode import WanVACEDecode
+from .examples import install_example_inputs
 from .loader import WanVACEModelLoader
 from .offload import WanVACEOffloadOptions
 from .sampler import WanVACESampler
 
 
 class WanVACEExtension(ComfyExtension):
+    async def on_load(self) -> None:
+        # The shipped workflows name example inputs; ComfyUI's loaders list the input folder.
+        install_example_inputs()
+
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
+        # ComfyUI 0.3.75 never calls on_load; the copy runs once either way.
+        install_example_inputs()
         return [
             WanVACEModelLoader,
             WanVACEConditioning,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from ..wanvace_core import CACHE_MODES, CacheOptions, ExpertCacheLimits, WanVACEInputError
+from ..wanvace_core.validation import nan_refusing_min
 from .types import CATEGORY, WanVACECacheType
 
 
@@ -48,7 +49,7 @@ class WanVACECacheOptions(io.ComfyNode):
                 io.Float.Input(
                     "residual_diff_threshold",
                     default=0.08,
-                    min=0.001,
+                    min=nan_refusing_min(0.001),
                     max=1.0,
                     step=0.001,
                     tooltip="Relative change of the first blocks' residual below which a step is cached. "
@@ -95,10 +96,14 @@ class WanVACECacheOptions(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, **values) -> bool | str:
+    def validate_inputs(cls, mode: str | None = None) -> bool | str:
+        # ComfyUI lists a refusal under every argument of validate_inputs and skips its own checks for them,
+        # so this takes only the combo that ComfyUI 0.3.75 does not check itself. The other inputs get
+        # ComfyUI's range check, which refuses NaN too (nan_refusing_min) and +-inf, under that input alone.
         try:
-            cls.options_from(**values)
-        except (WanVACEInputError, TypeError) as error:
+            if mode is not None:
+                CacheOptions(mode=mode)
+        except WanVACEInputError as error:
             return str(error)
         return True
 

@@ -11,6 +11,7 @@ from ..wanvace_core import (
     validate_generation_size,
     validate_prompt,
 )
+from ..wanvace_core.validation import nan_refusing_min
 from .types import CATEGORY, WanVACEConditioningType, WanVACEModelType
 
 
@@ -61,7 +62,7 @@ class WanVACEConditioning(io.ComfyNode):
                 io.Float.Input(
                     "strength",
                     default=1.0,
-                    min=0.0,
+                    min=nan_refusing_min(0.0),
                     max=10.0,
                     step=0.01,
                     tooltip="How strongly the VACE inputs steer the video; 1.0 is the trained value, 0 ignores them.",
@@ -91,6 +92,9 @@ class WanVACEConditioning(io.ComfyNode):
     def validate_inputs(
         cls, positive: str | None = None, width: int | None = None, height: int | None = None, length: int | None = None
     ) -> bool | str:
+        # ComfyUI lists a refusal under every argument of validate_inputs, so each message names the input it
+        # is about. Floats stay out of it: ComfyUI's own range check refuses NaN (nan_refusing_min) and +-inf
+        # under that input alone.
         try:
             if None not in (width, height, length):
                 validate_generation_size(width, height, length)

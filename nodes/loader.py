@@ -84,9 +84,9 @@ class WanVACEModelLoader(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, model_name: str | None = None, dtype: str | None = None) -> bool | str:
-        if dtype is not None and dtype not in DTYPES:
-            return f"dtype={dtype!r} is not one of {', '.join(DTYPES)}."
+    def validate_inputs(cls, model_name: str | None = None) -> bool | str:
+        # One argument only: ComfyUI lists a refusal under every argument of validate_inputs, and checks
+        # the other inputs (dtype's combo) itself.
         if model_name is None:
             return True
         try:

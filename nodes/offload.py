@@ -51,9 +51,10 @@ class WanVACEOffloadOptions(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, mode: str = "model", prefetch_blocks: int = 1, max_pinned_mb: int = 0) -> bool | str:
+    def validate_inputs(cls, mode: str = "model") -> bool | str:
+        # One argument only: ComfyUI lists a refusal under every argument, and range-checks the others itself.
         try:
-            OffloadOptions(mode, prefetch_blocks, max_pinned_mb)
+            OffloadOptions(mode=mode)
         except WanVACEInputError as error:
             return str(error)
         return True

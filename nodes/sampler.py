@@ -6,7 +6,11 @@ import comfy.model_management
 import comfy.utils
 from comfy_api.latest import io
 
-from ..wanvace_core import SCHEDULERS, SamplerSettings, sample, to_vae_space
+from ..wanvace_core import SCHEDULERS, SamplerSettings, WanVACEInputError, sample, to_vae_space
+from ..wanvace_core.budget import sampling_activation_bytes
+from ..wanvace_core.sampling import validate_scheduler
+from ..wanvace_core.validation import nan_refusing_min
+from .memory import set_working_memory
 from .types import CATEGORY, WanVACECacheType, WanVACEConditioningType, WanVACEModelType
 
 MODEL_DEFAULT = -1.0
@@ -39,7 +43,7 @@ class WanVACESampler(io.ComfyNode):
                 io.Float.Input(
                     "cfg",
                     default=5.0,
-                    min=1.0,
+                    min=nan_refusing_min(1.0),
                     max=30.0,
                     step=0.1,
                     tooltip="Guidance of the high-noise expert (and of a single-expert Wan2.1 model). 1.0 skips the "
@@ -48,7 +52,7 @@ class WanVACESampler(io.ComfyNode):
                 io.Float.Input(
                     "cfg_low_noise",
                     default=5.0,
-                    min=1.0,
+                    min=nan_refusing_min(1.0),
                     max=30.0,
                     step=0.1,
                     tooltip="Guidance of the low-noise expert (transformer_2). 1.0 skips its negative pass.",
@@ -56,7 +60,7 @@ class WanVACESampler(io.ComfyNode):
                 io.Float.Input(
                     "boundary_ratio",
                     default=MODEL_DEFAULT,
-                    min=-1.0,
+                    min=nan_refusing_min(-1.0),
                     max=1.0,
                     step=0.005,
                     tooltip="Expert switch point as a fraction of 1000 timesteps. -1 uses the model's value (0.875 for "
@@ -65,7 +69,7 @@ class WanVACESampler(io.ComfyNode):
                 io.Float.Input(
                     "shift",
                     default=0.0,
-                    min=0.0,
+                    min=nan_refusing_min(0.0),
                     max=100.0,
                     step=0.1,
                     tooltip="Flow-matching sigma shift. 0 uses the model's scheduler value (3.0); 5.0 suits 720p.",
@@ -84,6 +88,18 @@ class WanVACESampler(io.ComfyNode):
             ],
             outputs=[io.Latent.Output(display_name="latent", tooltip="The denoised video latent.")],
         )
+
+    @classmethod
+    def validate_inputs(cls, scheduler: str | None = None) -> bool | str:
+        # ComfyUI lists a refusal under every argument of validate_inputs and skips its own checks for them,
+        # so this takes only the combo that ComfyUI 0.3.75 does not check itself. The floats get ComfyUI's
+        # range check, which refuses NaN too (nan_refusing_min) and +-inf, under that input alone.
+        try:
+            if scheduler is not None:
+                validate_scheduler(scheduler)
+        except WanVACEInputError as error:
+            return str(error)
+        return True
 
     @classmethod
     def execute(
@@ -115,6 +131,8 @@ class WanVACESampler(io.ComfyNode):
             comfy.model_management.throw_exception_if_processing_interrupted()
 
         comfy.model_management.throw_exception_if_processing_interrupted()
+        frames = conditioning.conditioning_latents.shape[2]
+        set_working_memory(model, sampling_activation_bytes(model, frames, conditioning.height, conditioning.width))
         result = sample(model, conditioning, settings, callback=on_step, cache=cache)
         latent = {"samples": to_vae_space(model, result.latents).cpu()}
         if result.cache_report is None:

@@ -15,6 +15,7 @@ import torch
 
 from .errors import WanVACEError, WanVACEInputError
 from .model import WanVACEModel
+from .validation import validate_finite, validate_integer
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +35,8 @@ class ExpertCacheLimits:
     max_cached_steps: int = -1
 
     def __post_init__(self) -> None:
+        validate_integer("max_warmup_steps", self.max_warmup_steps, "use a whole number of steps, 0 or more")
+        validate_integer("max_cached_steps", self.max_cached_steps, "use a whole number of steps, or -1 for no limit")
         if self.max_warmup_steps < 0:
             raise WanVACEInputError(f"max_warmup_steps={self.max_warmup_steps} must be 0 or more.")
         if self.max_cached_steps < -1:
@@ -55,6 +58,9 @@ class CacheOptions:
     def __post_init__(self) -> None:
         if self.mode not in CACHE_MODES:
             raise WanVACEInputError(f"mode={self.mode!r} is unknown; choose one of {', '.join(CACHE_MODES)}.")
+        validate_integer("Fn_compute_blocks", self.Fn_compute_blocks, "use a whole number of blocks, 1 or more")
+        validate_integer("Bn_compute_blocks", self.Bn_compute_blocks, "use a whole number of blocks, 0 or more")
+        validate_integer("taylorseer_order", self.taylorseer_order, "use 1 or 2")
         if self.Fn_compute_blocks < 1:
             raise WanVACEInputError(
                 f"Fn_compute_blocks={self.Fn_compute_blocks} must be at least 1: the first block's residual decides "
@@ -62,7 +68,8 @@ class CacheOptions:
             )
         if self.Bn_compute_blocks < 0:
             raise WanVACEInputError(f"Bn_compute_blocks={self.Bn_compute_blocks} must be 0 or more.")
-        if not 0.0 < self.residual_diff_threshold <= 1.0:
+        threshold_fix = "use a value in (0, 1]; 0.04-0.12 is typical"
+        if not 0.0 < validate_finite("residual_diff_threshold", self.residual_diff_threshold, threshold_fix) <= 1.0:
             raise WanVACEInputError(
                 f"residual_diff_threshold={self.residual_diff_threshold} must lie in (0, 1]; 0.04-0.12 is typical."
             )
