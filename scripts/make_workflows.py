@@ -1,21 +1,29 @@
 """Regenerate the shipped workflows from `tests/workflow_graphs.py`.
 
-Writes, for every task in WORKFLOWS:
+Writes, for every workflow in WORKFLOWS:
 
-* `tests/api_workflows/wanvace_<task>.json`: the API-format graph (what `/prompt` takes);
-* `workflows/wanvace_<task>.json`: the same graph in the graph editor's UI (litegraph) format,
-  which ComfyUI lists under Workflow > Browse Templates for this package.
+* `tests/api_workflows/wanvace_<name>.json`: the API-format graph (what `/prompt` takes);
+* `workflows/<title>.json`: the same graph in the graph editor's UI (litegraph) format, which
+  ComfyUI lists in its template browser under this package. The frontend (1.32 and 1.49) shows a
+  custom node pack's template with its file name as title and `<title>.jpg` beside it as thumbnail,
+  so the files are named after WORKFLOW_TITLES ("WanVACE - Image to Video.json").
+* with `--thumbnails`: `workflows/<title>.jpg`, a screenshot of the workflow in the real graph
+  editor (headless Chromium, tests/browser/check_workflows.mjs), 512 px wide.
 
-The UI conversion needs each node's input and output layout, so a real ComfyUI (from
-.cache/comfyui, with this package installed) is started in a temporary base directory to
-fetch `/object_info`. Only the structure of that answer is used (input types and order,
-output names and types), never the combo options, so the result does not depend on which
-models or input files a server happens to have; running the script twice gives identical files.
+The UI conversion needs each node's input and output layout, so a real ComfyUI (the tree of
+tests/comfy_server.py: `$WANVACE_COMFY_DIR`, else .cache/comfyui-current; with this package
+installed) is started in a temporary base directory to fetch `/object_info`. Only the structure of
+that answer is used (input types and order, output names and types), never the combo options, so the
+result does not depend on which models or input files a server happens to have; running the script
+twice, or against ComfyUI 0.3.75 and 0.33, gives identical files.
 
-    .venv/bin/python scripts/make_workflows.py           # write all files
-    .venv/bin/python scripts/make_workflows.py --check   # exit 1 if a file is out of date
+    .venvs/current/bin/python scripts/make_workflows.py               # write the JSON files
+    .venvs/current/bin/python scripts/make_workflows.py --thumbnails  # and the thumbnails
+    .venvs/current/bin/python scripts/make_workflows.py --check       # exit 1 if a file is out of date
 
-The conversion mirrors what ComfyUI's frontend (1.32) saves:
+The conversion mirrors what ComfyUI's frontends save (1.32 adds `extra.workflowRendererVersion`,
+1.49 `widgets_values_named` and drops the groups' `font_size`; both load either, and 1.49 restores
+widgets by name from `widgets_values_named`, which is written too):
 
 * `inputs` lists the sockets (link-only inputs, required then optional) first, then one entry
   per widget input (`widget: {"name": ...}`), in `input_order`; a link's target slot is the
@@ -24,12 +32,22 @@ The conversion mirrors what ComfyUI's frontend (1.32) saves:
   the frontend's own widgets: "fixed" after an INT with `control_after_generate` (or named
   seed/noise_seed) so the seed stays put, and "image" for the upload button of a combo with
   `image_upload` or `video_upload` (LoadImage, LoadImageMask, LoadVideo), after all other widgets.
+* What ComfyUI 0.3.75 and 0.33 declare differently is left for the frontend to fill in (see
+  `_NodeLayout`), so both give the same file.
+
+Layout: the nodes sit in titled groups (model, inputs, prompt, sampling, output, ...) placed as
+`UiLayout.page` says, beside a Markdown note that says where the model goes and which example inputs
+to replace. The saved view (`extra.ds`) puts the graph's top left corner below the frontends' tab
+bar and breadcrumb and right of their sidebar, at the largest zoom (at most 100%) that keeps the whole
+graph in a 1600x1000 window and out of the corners where they draw the minimap and canvas info.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
+import math
 import sys
 import tempfile
 from collections.abc import Callable
@@ -42,36 +60,85 @@ for _p in (str(TESTS_DIR), str(REPO_ROOT)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from workflow_graphs import WORKFLOWS, build_api_workflow  # noqa: E402
+from workflow_graphs import (  # noqa: E402
+    GROUP_COLORS,
+    WORKFLOW_TITLES,
+    WORKFLOWS,
+    UiLayout,
+    build_api_workflow,
+    build_ui_layout,
+)
 
 API_DIR = TESTS_DIR / "api_workflows"
 UI_DIR = REPO_ROOT / "workflows"
 
 # Input types the frontend draws as a widget (unless `forceInput`); every other type is a socket.
-WIDGET_TYPES = frozenset({"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"})
+# ComfyUI 0.33 declares some combos (SaveVideo's format, codec) as dynamic combos, 0.3.75 as plain
+# combos; both are saved as COMBO so the file does not depend on the ComfyUI it was made with.
+DYNAMIC_COMBO = "COMFY_DYNAMICCOMBO_V3"
+WIDGET_TYPES = frozenset({"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO", DYNAMIC_COMBO})
 # Combo options that make the frontend add an upload button widget, and the value it stores for it.
 UPLOAD_WIDGET_VALUES = {"image_upload": "image", "video_upload": "image"}
 UPLOAD_INPUT_TYPE = "IMAGEUPLOAD"
 # What the frontend does to a seed widget after each queued prompt; "fixed" keeps it as shipped.
-SEED_CONTROL_VALUE = "fixed"
+SEED_CONTROL_WIDGET, SEED_CONTROL_VALUE = "control_after_generate", "fixed"
 SEED_NAMES = ("seed", "noise_seed")
 # LiteGraph's RenderShape.HOLLOW_CIRCLE, which the frontend gives every optional input slot.
 OPTIONAL_INPUT_SHAPE = 7
 
 # Layout, in canvas units. LiteGraph draws a node's title bar above `pos`.
 NODE_WIDTH = 270
+# Core helper nodes (ImageScale, SolidMask, ...) are narrower: their labels fit.
+NODE_WIDTH_HELPER = 230
 NODE_WIDTH_NO_WIDGETS = 220
 NODE_WIDTH_MULTILINE = 400
 SLOT_HEIGHT = 20
 WIDGET_HEIGHT = 24
-MULTILINE_HEIGHT = 100
-# The frontend grows a video node to at least 256 px of preview; images are drawn inside the node.
-PREVIEW_HEIGHT = 270
+MULTILINE_HEIGHT = 70
+# Room for the upload nodes' preview: the frontends draw a loaded image in what is left of the node
+# (they grow LoadImage to 326 px at least) and give a video at least 256 px. An output node's
+# preview (SaveVideo) appears after a run; its group leaves room below it.
+PREVIEW_HEIGHT = {"image_upload": 224, "video_upload": 270}
 NODE_PADDING = 14
 TITLE_HEIGHT = 30
-ORIGIN = (50, 80)
-COLUMN_GAP = 100
-ROW_GAP = 60
+# Sizes the frontends (1.32, 1.49) grow these nodes to on loading (wider labels, 0.33's extra
+# outputs and widgets), so the layout leaves them room.
+SIZE_FLOORS = {
+    "CreateVideo": (270, 102),
+    "GetVideoComponents": (220, 106),
+    "ImageBatch": (235, 54),
+    "WanVACECacheOptions": (301, 250),
+}
+# Groups: LiteGraph draws the title in a bar of font_size * 1.4 at the top of `bounding`.
+GROUP_FONT_SIZE = 24
+GROUP_TITLE_HEIGHT = 34
+GROUP_PADDING = 10
+# Between a group's title bar and its first node's title: room for the frontend's node badges.
+NODE_TOP_GAP = 18
+NODE_GAP = 22
+COLUMN_GAP = 24
+GROUP_GAP = 24
+NOTE_TYPE = "MarkdownNote"
+NOTE_TITLE = "Read me"
+NOTE_WIDTH = 400
+NOTE_LINE_HEIGHT = 12
+NOTE_CHARS_PER_LINE = 68
+NOTE_COLOR, NOTE_BGCOLOR = "#432", "#653"
+# The saved view, in screen pixels of a 1600x1000 window. The frontends' panels cover the top
+# (1.49: tab bar to y=38, breadcrumb and Run bar to y=85; 1.32: a dismissible banner to y=40, tab bar
+# to y=78, breadcrumb and Run bar to y=130) and the left (sidebar to x=59), so the graph starts at
+# VIEW_LEFT, VIEW_TOP. Both draw a minimap and the zoom controls in the bottom right corner and the
+# canvas info (FPS, node count) in the bottom left one: no group or note may reach into KEEP_OUT
+# (x0, y0, x1, y1). The saved zoom is the largest (at most MAX_SCALE, in steps of 0.01) that keeps
+# everything in the window and out of those corners.
+VIEW_LEFT, VIEW_TOP = 80, 140
+WINDOW = (1600, 1000)
+WINDOW_MARGIN = 12
+KEEP_OUT = ((0, 912, 150, 1000), (1330, 728, 1600, 1000))
+MAX_SCALE, MIN_SCALE = 1.0, 0.5
+# Thumbnails: width of the JPEG, and its largest allowed size.
+THUMBNAIL_WIDTH = 512
+THUMBNAIL_MAX_BYTES = 100_000
 
 
 def api_path(task: str) -> Path:
@@ -79,7 +146,11 @@ def api_path(task: str) -> Path:
 
 
 def ui_path(task: str) -> Path:
-    return UI_DIR / f"wanvace_{task}.json"
+    return UI_DIR / f"{WORKFLOW_TITLES[task]}.json"
+
+
+def thumbnail_path(task: str) -> Path:
+    return UI_DIR / f"{WORKFLOW_TITLES[task]}.jpg"
 
 
 def dumps(data: dict) -> str:
@@ -92,7 +163,7 @@ def _is_link(value) -> bool:
 
 def _input_type(spec: list) -> str:
     kind = spec[0]
-    return "COMBO" if isinstance(kind, list) else str(kind)
+    return "COMBO" if isinstance(kind, list) or kind == DYNAMIC_COMBO else str(kind)
 
 
 def _input_options(spec: list) -> dict:
@@ -130,16 +201,26 @@ class _Slot(NamedTuple):
 
 
 class _NodeLayout:
-    """The UI shape of one node type: input slots, widgets and outputs as the frontend builds them."""
+    """The UI shape of one node: input slots, widgets and outputs as the frontend builds them.
 
-    def __init__(self, class_type: str, info: dict):
+    What ComfyUI versions disagree on is left out, so 0.3.75 and 0.33 give the same file and both
+    frontends fill in the rest from the node definition when loading (checked in
+    tests/integration/test_browser.py): optional widgets after the last one the graph sets (0.33's
+    CreateVideo.bit_depth), outputs after the last linked one (0.33's extra GetVideoComponents and
+    SaveVideo outputs), and the optional-slot shape of widget inputs (SaveVideo.codec is optional
+    only in 0.33).
+    """
+
+    def __init__(self, class_type: str, info: dict, api_inputs: dict):
         self.class_type = class_type
         self.info = info
         inputs = _ordered_inputs(info)
         self.specs = {name: spec for name, spec, _optional in inputs}
         optional = {name for name, _spec, is_optional in inputs if is_optional}
         self.sockets = [name for name, spec, _optional in inputs if not _is_widget(spec)]
-        self.widget_inputs = [name for name, spec, _optional in inputs if _is_widget(spec)]
+        widgets = [name for name, spec, _optional in inputs if _is_widget(spec)]
+        kept = [i for i, name in enumerate(widgets) if name not in optional or name in api_inputs]
+        self.widget_inputs = widgets[: kept[-1] + 1] if kept else []
         self.upload = None
         for name in self.widget_inputs:
             opts = _input_options(self.specs[name])
@@ -150,7 +231,7 @@ class _NodeLayout:
                 self.upload = flags[0]
         # Input slots: sockets, then widget inputs, then the upload button's slot.
         self.slots = [_Slot(n, _input_type(self.specs[n]), False, n in optional) for n in self.sockets]
-        self.slots += [_Slot(n, _input_type(self.specs[n]), True, n in optional) for n in self.widget_inputs]
+        self.slots += [_Slot(n, _input_type(self.specs[n]), True, False) for n in self.widget_inputs]
         if self.upload:
             self.slots.append(_Slot("upload", UPLOAD_INPUT_TYPE, True, False))
         self.slot_index = {slot.name: i for i, slot in enumerate(self.slots)}
@@ -158,7 +239,8 @@ class _NodeLayout:
         self.output_names = list(info.get("output_name", self.output_types))
         self.multiline = sum(1 for n in self.widget_inputs if _input_options(self.specs[n]).get("multiline", False))
 
-    def widgets_values(self, inputs: dict) -> list:
+    def _widget_values(self, inputs: dict) -> list[tuple[str, object]]:
+        """(widget name, value) in the frontend's widget order, its own widgets included."""
         values = []
         for name in self.widget_inputs:
             spec = self.specs[name]
@@ -168,27 +250,36 @@ class _NodeLayout:
                 value = _input_options(spec).get("default")
                 if value is None:
                     raise ValueError(f"{self.class_type}.{name}: no value and no default")
-            values.append(value)
+            values.append((name, value))
             if _has_seed_control(name, spec):
-                values.append(SEED_CONTROL_VALUE)
+                values.append((SEED_CONTROL_WIDGET, SEED_CONTROL_VALUE))
         if self.upload:
-            values.append(UPLOAD_WIDGET_VALUES[self.upload])
+            values.append(("upload", UPLOAD_WIDGET_VALUES[self.upload]))
         return values
 
-    def size(self) -> list[int]:
+    def widgets_values(self, inputs: dict) -> list:
+        return [value for _name, value in self._widget_values(inputs)]
+
+    def widgets_values_named(self, inputs: dict) -> dict:
+        return dict(self._widget_values(inputs))
+
+    def size(self, outputs: int) -> list[int]:
         widget_rows = len(self.widget_inputs) - self.multiline + (1 if self.upload else 0)
         widget_rows += sum(1 for n in self.widget_inputs if _has_seed_control(n, self.specs[n]))
-        height = NODE_PADDING + SLOT_HEIGHT * max(len(self.sockets), len(self.output_types))
+        height = NODE_PADDING + SLOT_HEIGHT * max(len(self.sockets), outputs)
         height += WIDGET_HEIGHT * widget_rows + MULTILINE_HEIGHT * self.multiline
-        if self.upload or self.info.get("output_node"):
-            height += PREVIEW_HEIGHT
+        if self.upload:
+            height += PREVIEW_HEIGHT[self.upload]
         if self.multiline:
             width = NODE_WIDTH_MULTILINE
-        elif self.widget_inputs:
+        elif self.class_type.startswith("WanVACE") or self.upload or self.info.get("output_node"):
             width = NODE_WIDTH
+        elif self.widget_inputs:
+            width = NODE_WIDTH_HELPER
         else:
             width = NODE_WIDTH_NO_WIDGETS
-        return [width, height]
+        floor = SIZE_FLOORS.get(self.class_type, (0, 0))
+        return [max(width, floor[0]), max(height, floor[1])]
 
 
 def _execution_order(ids: list[int], links: list[list]) -> list[int]:
@@ -218,65 +309,141 @@ def _execution_order(ids: list[int], links: list[list]) -> list[int]:
     return order
 
 
-def _layout(order: list[int], parents: dict[int, set[int]], sizes: dict[int, list[int]]) -> dict[int, list[int]]:
-    """Columns by dependency depth, each node as late (far right) as its consumers allow."""
-    children: dict[int, set[int]] = {i: set() for i in order}
-    for node, deps in parents.items():
-        for dep in deps:
-            children[dep].add(node)
-    depth: dict[int, int] = {}
-    for node in order:
-        depth[node] = max((depth[p] + 1 for p in parents[node]), default=0)
-    last = max(depth.values(), default=0)
-    column: dict[int, int] = {}
-    for node in reversed(order):
-        column[node] = min((column[c] - 1 for c in children[node]), default=last)
-    columns = [sorted(n for n in order if column[n] == c) for c in range(last + 1)]
-
-    xs, x = [], ORIGIN[0]
-    for members in columns:
-        xs.append(x)
-        x += max((sizes[n][0] for n in members), default=0) + COLUMN_GAP
-    pos: dict[int, list[int]] = {}
-    # Right to left: a node sits level with the mean height of its (already placed) consumers.
-    for c in range(last, -1, -1):
-        members = columns[c]
-        wanted = {
-            n: (sum(pos[k][1] for k in children[n]) / len(children[n]) if children[n] else ORIGIN[1]) for n in members
-        }
-        y_free = ORIGIN[1]
-        for n in sorted(members, key=lambda n: (wanted[n], n)):
-            y = max(round(wanted[n]), y_free)
-            pos[n] = [xs[c], y]
-            y_free = y + sizes[n][1] + TITLE_HEIGHT + ROW_GAP
-    return pos
+class _Box(NamedTuple):
+    x: float
+    y: float
+    w: float
+    h: float
 
 
-def api_to_ui(api: dict, object_info: dict) -> dict:
-    """Convert an API-format graph into the graph editor's UI workflow format."""
+def _note_height(text: str) -> int:
+    """Body height for the note's Markdown: wrapped lines at NOTE_LINE_HEIGHT, headings taller."""
+    lines = 0.0
+    for line in text.splitlines():
+        if not line.strip():
+            lines += 0.6
+        elif line.startswith("#"):
+            lines += 1.8
+        else:
+            lines += math.ceil(len(line) / NOTE_CHARS_PER_LINE)
+    return round(lines * NOTE_LINE_HEIGHT + 2 * NODE_PADDING)
+
+
+def _group_content(members: dict[int, list[int]], sizes: dict[int, list[int]]) -> tuple[dict[int, tuple], float, float]:
+    """Node offsets inside a group (columns left to right, nodes stacked in id order) and its inner size."""
+    offsets: dict[int, tuple] = {}
+    x, height = 0.0, 0.0
+    for column in sorted(members):
+        nodes = sorted(members[column])
+        y = 0.0
+        for node in nodes:
+            offsets[node] = (x, y + TITLE_HEIGHT)
+            y += TITLE_HEIGHT + sizes[node][1] + NODE_GAP
+        height = max(height, y - NODE_GAP)
+        x += max(sizes[n][0] for n in nodes) + COLUMN_GAP
+    return offsets, x - COLUMN_GAP, height
+
+
+def _page_layout(
+    layout: UiLayout, ids: list[int], sizes: dict[int, list[int]], note_size: list[int]
+) -> tuple[dict[int, list[float]], dict[str, _Box], _Box]:
+    """Positions of the nodes and the note, group boxes, and the note's box (title bar included)."""
+    members: dict[str, dict[int, list[int]]] = {}
+    for node in ids:
+        group, column = layout.placement[str(node)]
+        if group not in layout.groups:
+            raise KeyError(f"node {node} is placed in group {group!r}, which the layout does not define")
+        members.setdefault(group, {}).setdefault(column, []).append(node)
+    placed = [key for column in layout.page for row in column for key in row]
+    missing = (set(members) | set(layout.groups)) - set(placed)
+    if missing or len(placed) != len(set(placed)) or "note" not in placed:
+        raise ValueError(f"the page must place the note and every group once: {layout.page}")
+
+    content = {key: _group_content(members.get(key, {}), sizes) for key in layout.groups}
+    natural = {
+        key: (w + 2 * GROUP_PADDING, GROUP_TITLE_HEIGHT + NODE_TOP_GAP + h + GROUP_PADDING)
+        for key, (_offsets, w, h) in content.items()
+    }
+    natural["note"] = (note_size[0], TITLE_HEIGHT + note_size[1])
+
+    boxes: dict[str, _Box] = {}
+    x = 0.0
+    for column in layout.page:
+        rows = [(row, sum(natural[k][0] for k in row) + GROUP_GAP * (len(row) - 1)) for row in column]
+        column_width = max(width for _row, width in rows)
+        y = 0.0
+        for row, _width in rows:
+            row_height = max(natural[k][1] for k in row)
+            rx = x
+            for key in row:
+                w, h = natural[key]
+                if key != "note":
+                    # Groups fill their row's height; a group alone in its row, the column's width.
+                    h = row_height
+                    if len(row) == 1:
+                        w = column_width
+                boxes[key] = _Box(rx, y, w, h)
+                rx += w + GROUP_GAP
+            y += row_height + GROUP_GAP
+        x += column_width + GROUP_GAP
+
+    positions: dict[int, list[float]] = {}
+    for key, (offsets, _w, _h) in content.items():
+        box = boxes[key]
+        for node, (dx, dy) in offsets.items():
+            positions[node] = [box.x + GROUP_PADDING + dx, box.y + GROUP_TITLE_HEIGHT + NODE_TOP_GAP + dy]
+    note = boxes.pop("note")
+    return positions, boxes, note
+
+
+def _fits(boxes: list[_Box], scale: float) -> bool:
+    for box in boxes:
+        x0, y0 = VIEW_LEFT + box.x * scale, VIEW_TOP + box.y * scale
+        x1, y1 = x0 + box.w * scale, y0 + box.h * scale
+        if x1 > WINDOW[0] - WINDOW_MARGIN or y1 > WINDOW[1] - WINDOW_MARGIN:
+            return False
+        for kx0, ky0, kx1, ky1 in KEEP_OUT:
+            if x0 < kx1 and kx0 < x1 and y0 < ky1 and ky0 < y1:
+                return False
+    return True
+
+
+def _saved_view(boxes: list[_Box]) -> dict:
+    """extra.ds: the page (its top left corner at canvas 0, 0) in the visible part of the editor."""
+    steps = range(round(MAX_SCALE * 100), round(MIN_SCALE * 100) - 1, -1)
+    scale = next((step / 100 for step in steps if _fits(boxes, step / 100)), MIN_SCALE)
+    return {"scale": scale, "offset": [round(VIEW_LEFT / scale, 1), round(VIEW_TOP / scale, 1)]}
+
+
+def _num(value: float):
+    """Integral floats as ints, so the JSON reads like the frontend's."""
+    return int(value) if float(value).is_integer() else value
+
+
+def api_to_ui(api: dict, object_info: dict, layout: UiLayout) -> dict:
+    """Convert an API-format graph into the graph editor's UI workflow format, laid out as `layout` says."""
     ids = sorted(int(k) for k in api)
     layouts: dict[int, _NodeLayout] = {}
     for node_id in ids:
         class_type = api[str(node_id)]["class_type"]
         if class_type not in object_info:
             raise KeyError(f"node {node_id}: {class_type} is not in /object_info")
-        layouts[node_id] = _NodeLayout(class_type, object_info[class_type])
+        layouts[node_id] = _NodeLayout(class_type, object_info[class_type], api[str(node_id)]["inputs"])
 
     for node_id in ids:
-        layout = layouts[node_id]
-        unknown = set(api[str(node_id)]["inputs"]) - set(layout.specs)
+        layout_of = layouts[node_id]
+        unknown = set(api[str(node_id)]["inputs"]) - set(layout_of.specs)
         if unknown:
-            raise KeyError(f"node {node_id} ({layout.class_type}): unknown inputs {sorted(unknown)}")
+            raise KeyError(f"node {node_id} ({layout_of.class_type}): unknown inputs {sorted(unknown)}")
 
     # Links, numbered by target node then target slot.
     links: list[list] = []
     input_links: dict[tuple[int, str], int] = {}
     output_links: dict[tuple[int, int], list[int]] = {}
-    parents: dict[int, set[int]] = {i: set() for i in ids}
     for target in ids:
-        layout = layouts[target]
+        layout_of = layouts[target]
         inputs = api[str(target)]["inputs"]
-        for name in layout.slot_index:
+        for name in layout_of.slot_index:
             value = inputs.get(name)
             if not _is_link(value):
                 continue
@@ -287,25 +454,28 @@ def api_to_ui(api: dict, object_info: dict) -> dict:
             if origin_slot >= len(origin_types):
                 raise IndexError(f"node {target}.{name} links to output {origin_slot} of node {origin}")
             link_id = len(links) + 1
-            links.append([link_id, origin, origin_slot, target, layout.slot_index[name], origin_types[origin_slot]])
+            links.append([link_id, origin, origin_slot, target, layout_of.slot_index[name], origin_types[origin_slot]])
             input_links[(target, name)] = link_id
             output_links.setdefault((origin, origin_slot), []).append(link_id)
-            parents[target].add(origin)
 
-    order = _execution_order(ids, links)
-    sizes = {i: layouts[i].size() for i in ids}
-    positions = _layout(order, parents, sizes)
+    note_id = max(ids, default=0) + 1
+    order = _execution_order([*ids, note_id], links)
+    # Outputs up to the last linked one (see _NodeLayout).
+    shown_outputs = {i: 1 + max((slot for (node, slot) in output_links if node == i), default=-1) for i in ids}
+    sizes = {i: layouts[i].size(shown_outputs[i]) for i in ids}
+    note_size = [NOTE_WIDTH, _note_height(layout.note)]
+    positions, boxes, note_box = _page_layout(layout, ids, sizes, note_size)
 
     nodes = []
     for node_id in ids:
         api_node = api[str(node_id)]
-        layout = layouts[node_id]
-        node: dict = {"id": node_id, "type": layout.class_type}
+        layout_of = layouts[node_id]
+        node: dict = {"id": node_id, "type": layout_of.class_type}
         title = api_node.get("_meta", {}).get("title")
         if title:
             node["title"] = title
         inputs = []
-        for slot in layout.slots:
+        for slot in layout_of.slots:
             entry: dict = {"name": slot.name, "type": slot.type}
             if slot.optional:
                 entry["shape"] = OPTIONAL_INPUT_SHAPE
@@ -320,41 +490,83 @@ def api_to_ui(api: dict, object_info: dict) -> dict:
                 "links": output_links.get((node_id, slot), []),
                 "slot_index": slot,
             }
-            for slot, (name, out_type) in enumerate(zip(layout.output_names, layout.output_types, strict=True))
+            for slot, (name, out_type) in enumerate(zip(layout_of.output_names, layout_of.output_types, strict=True))
+            if slot < shown_outputs[node_id]
         ]
         node.update(
-            pos=positions[node_id],
+            pos=[_num(v) for v in positions[node_id]],
             size=sizes[node_id],
             flags={},
             order=order.index(node_id),
             mode=0,
             inputs=inputs,
             outputs=outputs,
-            properties={"Node name for S&R": layout.class_type},
-            widgets_values=layout.widgets_values(api_node["inputs"]),
+            properties={"Node name for S&R": layout_of.class_type},
+            widgets_values=layout_of.widgets_values(api_node["inputs"]),
         )
+        if layout_of.widget_inputs or layout_of.upload:
+            # What 1.49 saves and restores by name; 1.32 reads only widgets_values.
+            node["widgets_values_named"] = layout_of.widgets_values_named(api_node["inputs"])
         nodes.append(node)
-
+    nodes.append(
+        {
+            "id": note_id,
+            "type": NOTE_TYPE,
+            "title": NOTE_TITLE,
+            "pos": [_num(note_box.x), _num(note_box.y + TITLE_HEIGHT)],
+            "size": note_size,
+            "flags": {},
+            "order": order.index(note_id),
+            "mode": 0,
+            "inputs": [],
+            "outputs": [],
+            "properties": {},
+            "widgets_values": [layout.note],
+            "widgets_values_named": {"text": layout.note},
+            "color": NOTE_COLOR,
+            "bgcolor": NOTE_BGCOLOR,
+        }
+    )
+    groups = [
+        {
+            "id": index,
+            "title": layout.groups[key],
+            "bounding": [_num(v) for v in boxes[key]],
+            "color": GROUP_COLORS[key],
+            "font_size": GROUP_FONT_SIZE,
+            "flags": {},
+        }
+        for index, key in enumerate(layout.groups, start=1)
+    ]
     return {
-        "last_node_id": max(ids, default=0),
+        "last_node_id": note_id,
         "last_link_id": len(links),
         "nodes": nodes,
         "links": links,
-        "groups": [],
+        "groups": groups,
         "config": {},
-        "extra": {"ds": {"scale": 1, "offset": [0, 0]}},
+        "extra": {"ds": _saved_view([*boxes.values(), note_box])},
         "version": 0.4,
     }
 
 
-def fetch_object_info() -> dict:
-    """/object_info of a fresh ComfyUI with this package, in a throwaway base directory."""
+def build_ui_workflow(task: str, object_info: dict) -> dict:
+    return api_to_ui(build_api_workflow(task), object_info, build_ui_layout(task))
+
+
+def _start_server(base: Path):
     from comfy_server import ComfyServer
 
+    server = ComfyServer(base)
+    server.prepare()
+    server.start()
+    return server
+
+
+def fetch_object_info() -> dict:
+    """/object_info of a fresh ComfyUI with this package, in a throwaway base directory."""
     with tempfile.TemporaryDirectory(prefix="wanvace-make-workflows-") as tmp:
-        server = ComfyServer(Path(tmp))
-        server.prepare()
-        server.start()
+        server = _start_server(Path(tmp))
         try:
             return server.object_info()
         finally:
@@ -365,11 +577,76 @@ def expected_files(object_info: dict | None) -> dict[Path, str]:
     """path -> text of every generated file; without object_info only the API twins."""
     files: dict[Path, str] = {}
     for task in WORKFLOWS:
-        api = build_api_workflow(task)
-        files[api_path(task)] = dumps(api)
+        files[api_path(task)] = dumps(build_api_workflow(task))
         if object_info is not None:
-            files[ui_path(task)] = dumps(api_to_ui(api, object_info))
+            files[ui_path(task)] = dumps(build_ui_workflow(task, object_info))
     return files
+
+
+def unexpected_files() -> list[Path]:
+    """Files in workflows/ and tests/api_workflows/ that no workflow writes (renamed or removed ones)."""
+    wanted = {api_path(t) for t in WORKFLOWS} | {ui_path(t) for t in WORKFLOWS} | {thumbnail_path(t) for t in WORKFLOWS}
+    found = [p for d in (API_DIR, UI_DIR) if d.is_dir() for p in d.iterdir() if p.is_file()]
+    return sorted(p for p in found if p not in wanted)
+
+
+def thumbnail_problems() -> list[str]:
+    problems = []
+    for task in WORKFLOWS:
+        path = thumbnail_path(task)
+        if not path.is_file():
+            problems.append(f"missing: {path.relative_to(REPO_ROOT)} (run with --thumbnails)")
+        elif path.read_bytes()[:3] != b"\xff\xd8\xff":
+            problems.append(f"not a JPEG: {path.relative_to(REPO_ROOT)}")
+        elif path.stat().st_size > THUMBNAIL_MAX_BYTES:
+            problems.append(f"over {THUMBNAIL_MAX_BYTES} bytes: {path.relative_to(REPO_ROOT)}")
+    return problems
+
+
+def to_thumbnail(png: bytes) -> bytes:
+    """A screenshot as a THUMBNAIL_WIDTH-wide JPEG under THUMBNAIL_MAX_BYTES."""
+    from PIL import Image
+
+    image = Image.open(io.BytesIO(png)).convert("RGB")
+    height = round(image.height * THUMBNAIL_WIDTH / image.width)
+    image = image.resize((THUMBNAIL_WIDTH, height), Image.LANCZOS)
+    for quality in (88, 80, 70, 60, 50):
+        out = io.BytesIO()
+        image.save(out, "JPEG", quality=quality, optimize=True, progressive=True)
+        if out.tell() <= THUMBNAIL_MAX_BYTES:
+            return out.getvalue()
+    raise ValueError("thumbnail stays over the size limit")
+
+
+def write_thumbnails() -> list[Path]:
+    """Screenshot every UI workflow in the real graph editor and write workflows/<title>.jpg."""
+    import os
+
+    from comfy_server import check_workflows_in_browser
+
+    written = []
+    with tempfile.TemporaryDirectory(prefix="wanvace-thumbnails-") as tmp:
+        tmp = Path(tmp)
+        server = _start_server(tmp / "base")
+        previous = os.environ.get("CHECK_WORKFLOWS_THUMBNAILS")
+        os.environ["CHECK_WORKFLOWS_THUMBNAILS"] = str(tmp / "png")
+        try:
+            results = check_workflows_in_browser(server.url, [ui_path(t) for t in WORKFLOWS], tmp / "report.json")
+        finally:
+            if previous is None:
+                os.environ.pop("CHECK_WORKFLOWS_THUMBNAILS", None)
+            else:
+                os.environ["CHECK_WORKFLOWS_THUMBNAILS"] = previous
+            server.stop()
+        for task, result in zip(WORKFLOWS, results, strict=True):
+            if result["load_error"] or result["missing_types"]:
+                raise RuntimeError(
+                    f"{ui_path(task).name} did not load: {result['load_error'] or result['missing_types']}"
+                )
+            path = thumbnail_path(task)
+            path.write_bytes(to_thumbnail(Path(result["thumbnail"]).read_bytes()))
+            written.append(path)
+    return written
 
 
 def main(argv: list[str] | None = None, get_object_info: Callable[[], dict] = fetch_object_info) -> int:
@@ -378,18 +655,32 @@ def main(argv: list[str] | None = None, get_object_info: Callable[[], dict] = fe
     parser.add_argument(
         "--object-info", type=Path, help="read /object_info from this JSON file instead of starting ComfyUI"
     )
+    parser.add_argument(
+        "--thumbnails", action="store_true", help="also screenshot each workflow in the graph editor (needs Chromium)"
+    )
     args = parser.parse_args(argv)
     object_info = json.loads(args.object_info.read_text()) if args.object_info else get_object_info()
     files = expected_files(object_info)
     stale = [p for p, text in files.items() if not p.is_file() or p.read_text(encoding="utf-8") != text]
+    extra = unexpected_files()
     if args.check:
         for p in stale:
             print(f"out of date: {p.relative_to(REPO_ROOT)}")
-        return 1 if stale else 0
+        for p in extra:
+            print(f"not generated (remove it): {p.relative_to(REPO_ROOT)}")
+        thumbnails = thumbnail_problems()
+        for line in thumbnails:
+            print(f"thumbnail {line}")
+        return 1 if stale or extra or thumbnails else 0
+    for p in extra:
+        p.unlink()
     for p, text in files.items():
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(text, encoding="utf-8")
-    print(f"wrote {len(files)} files ({len(stale)} changed)")
+    print(f"wrote {len(files)} files ({len(stale)} changed, {len(extra)} removed)")
+    if args.thumbnails:
+        for p in write_thumbnails():
+            print(f"{p.relative_to(REPO_ROOT)}: {p.stat().st_size} bytes")
     return 0
 
 

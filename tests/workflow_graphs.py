@@ -1,13 +1,14 @@
 """The shipped workflows, one per VACE task, as API-format graphs built from this package's nodes and core nodes.
 
-`scripts/make_workflows.py` writes these to `tests/api_workflows/*.json` (API format) and
-`workflows/*.json` (the graph editor's UI format). `for_tiny_model` shrinks a workflow to the
-tiny test model so it runs in seconds on a CPU.
+`scripts/make_workflows.py` writes these to `tests/api_workflows/wanvace_<name>.json` (API format)
+and `workflows/<title>.json` (the graph editor's UI format, with the layout hints, groups and note
+kept here). `for_tiny_model` shrinks a workflow to the tiny test model so it runs in seconds on a CPU.
 """
 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass, field
 
 REAL_MODEL = "Wan2.2-VACE-Fun-A14B-Diffusers"
 TINY_MODEL = "wanvace-tiny"
@@ -32,6 +33,42 @@ CACHE_VARIANT = "_cache"
 # Every shipped workflow: one per task, plus variants with the Cache-DiT node.
 WORKFLOWS = (*TASKS, "v2v" + CACHE_VARIANT)
 
+# What the template browser shows: ComfyUI's frontend (1.32 and 1.49) titles a custom node pack's
+# template with its file name, so the UI files are named `<title>.json` (thumbnail `<title>.jpg`).
+WORKFLOW_TITLES = {
+    "t2v": "WanVACE - Text to Video",
+    "i2v": "WanVACE - Image to Video",
+    "flf2v": "WanVACE - First and Last Frame",
+    "r2v": "WanVACE - Reference to Video",
+    "v2v": "WanVACE - Control Video",
+    "inpaint": "WanVACE - Inpaint Video",
+    "outpaint": "WanVACE - Outpaint Video",
+    "extension": "WanVACE - Extend Video",
+    "v2v" + CACHE_VARIANT: "WanVACE - Cached Control Video",
+}
+# The example input files each workflow names (shipped in example_inputs/).
+EXAMPLE_INPUTS = {
+    "first": "wanvace_example_first.png",
+    "last": "wanvace_example_last.png",
+    "ref1": "wanvace_example_ref1.png",
+    "ref2": "wanvace_example_ref2.png",
+    "mask": "wanvace_example_mask.png",
+    "control": "wanvace_example_control.mp4",
+    "source": "wanvace_example_source.mp4",
+}
+MODEL_URL = "https://huggingface.co/Pyros13/Wan2.2-VACE-Fun-A14B-Diffusers"
+
+# Group colors of LiteGraph's palette (LGraphCanvas.node_colors[...].groupcolor).
+GROUP_COLORS = {
+    "model": "#3f789e",
+    "inputs": "#8A8",
+    "masks": "#8AA",
+    "cache": "#3f789e",
+    "prompt": "#b58b2a",
+    "sampling": "#88A",
+    "output": "#a1309b",
+}
+
 # Widget values that scale with the video size, and what they become for the tiny model.
 _TINY_VALUES = {
     "model_name": {REAL_MODEL: TINY_MODEL},
@@ -45,16 +82,32 @@ _TINY_VALUES = {
 }
 
 
+@dataclass
+class UiLayout:
+    """How the graph editor shows a workflow; used by scripts/make_workflows.py only."""
+
+    # group key -> title, in drawing order.
+    groups: dict[str, str] = field(default_factory=dict)
+    # node id -> (group key, column inside the group); nodes of a column stack in id order.
+    placement: dict[str, tuple[str, int]] = field(default_factory=dict)
+    # Page columns, left to right; each a list of rows, top to bottom; each row a list of group keys
+    # side by side. "note" is the Markdown note.
+    page: list[list[list[str]]] = field(default_factory=list)
+    note: str = ""
+
+
 class _Graph:
     def __init__(self) -> None:
         self.nodes: dict[str, dict] = {}
+        self.layout = UiLayout()
 
-    def add(self, class_type: str, title: str | None = None, **inputs) -> str:
+    def add(self, class_type: str, title: str | None = None, *, at: tuple[str, int], **inputs) -> str:
         node_id = str(len(self.nodes) + 1)
         node = {"class_type": class_type, "inputs": inputs}
         if title:
             node["_meta"] = {"title": title}
         self.nodes[node_id] = node
+        self.layout.placement[node_id] = at
         return node_id
 
 
@@ -62,65 +115,168 @@ def _out(node_id: str, slot: int = 0) -> list:
     return [node_id, slot]
 
 
-def _scaled_image(graph: _Graph, file: str, title: str) -> str:
-    loaded = graph.add("LoadImage", title, image=file)
+def _scaled_image(graph: _Graph, file: str, title: str, group: str, column: int) -> str:
+    loaded = graph.add("LoadImage", title, image=file, at=(group, column))
     return graph.add(
-        "ImageScale", image=_out(loaded), upscale_method="lanczos", width=WIDTH, height=HEIGHT, crop="center"
+        "ImageScale",
+        image=_out(loaded),
+        upscale_method="lanczos",
+        width=WIDTH,
+        height=HEIGHT,
+        crop="center",
+        at=(group, column + 1),
     )
 
 
 def _video_frames(graph: _Graph, file: str, title: str, frames: int = LENGTH, width: int = WIDTH) -> str:
-    video = graph.add("LoadVideo", title, file=file)
-    components = graph.add("GetVideoComponents", video=_out(video))
-    trimmed = graph.add("ImageFromBatch", image=_out(components), batch_index=0, length=frames)
+    video = graph.add("LoadVideo", title, file=file, at=("inputs", 0))
+    components = graph.add("GetVideoComponents", video=_out(video), at=("inputs", 1))
+    trimmed = graph.add("ImageFromBatch", image=_out(components), batch_index=0, length=frames, at=("inputs", 1))
     return graph.add(
-        "ImageScale", image=_out(trimmed), upscale_method="lanczos", width=width, height=HEIGHT, crop="center"
+        "ImageScale",
+        image=_out(trimmed),
+        upscale_method="lanczos",
+        width=width,
+        height=HEIGHT,
+        crop="center",
+        at=("inputs", 2),
     )
 
 
-def _keep_mask(graph: _Graph) -> str:
+def _keep_mask(graph: _Graph, group: str, column: int) -> str:
     """A single all-zero mask: keep every given pixel."""
-    return graph.add("SolidMask", "keep given frames", value=0.0, width=WIDTH, height=HEIGHT)
+    return graph.add("SolidMask", "keep given frames", value=0.0, width=WIDTH, height=HEIGHT, at=(group, column))
 
 
-def build_api_workflow(name: str) -> dict:
-    """The API-format graph of one shipped workflow (a task, optionally with the `_cache` variant)."""
+def _note(name: str) -> str:
+    """The Markdown note of a workflow: where the model goes, what to replace, what comes out."""
+    task = name.removesuffix(CACHE_VARIANT)
+    ex = {key: f"`{file}`" for key, file in EXAMPLE_INPUTS.items()}
+    replace = {
+        "i2v": f"**first frame** ({ex['first']}): your start image.",
+        "flf2v": f"**first frame** ({ex['first']}) and **last frame** ({ex['last']}): your two images.",
+        "r2v": f"**reference 1** ({ex['ref1']}) and **reference 2** ({ex['ref2']}): your subjects; "
+        "chain another **Batch Images** for more.",
+        "v2v": f"**control video** ({ex['control']}, a pose video): your depth, pose or edge video.",
+        "inpaint": f"**source video** ({ex['source']}) and **inpaint mask** ({ex['mask']}, white = repaint).",
+        "outpaint": f"**source video** ({ex['source']}); **Pad Image for Outpainting** sets how far to extend.",
+        "extension": f"**clip to extend** ({ex['source']}): its first {EXTENSION_GIVEN_FRAMES} frames are kept.",
+    }
+    lines = [
+        f"## {WORKFLOW_TITLES[name]}",
+        "",
+        f"**1. Model:** put [{REAL_MODEL}]({MODEL_URL}) (safetensors) in "
+        f"`ComfyUI/models/diffusers/{REAL_MODEL}/` with its `model_index.json`, `transformer/`, "
+        "`transformer_2/`, `text_encoder/`, `tokenizer/`, `vae/` and `scheduler/`, then pick it in "
+        "**WanVACE Model Loader** (a Wan2.1-VACE diffusers folder works too).",
+        "",
+    ]
+    if task in replace:
+        lines += [
+            f"**2. Inputs:** replace the example files with yours: {replace[task]} The examples are tiny "
+            "placeholders this pack copies into `ComfyUI/input`.",
+            "",
+            "**3. Prompt:** describe the video in **WanVACE Conditioning**, then Run.",
+        ]
+    else:
+        lines += ["**2. Prompt:** describe the video in **WanVACE Conditioning**, then Run."]
+    lines += ["", "**Smaller GPU:** connect **WanVACE Offload Options** to the loader's `offload` input."]
+    if name.endswith(CACHE_VARIANT):
+        lines += ["", "**WanVACE Cache Options** skips steps with Cache-DiT: faster, slightly different."]
+    lines += ["", f"Output: `output/WanVACE/{name}_*.mp4`, {WIDTH}x{HEIGHT}, {LENGTH} frames at 16 fps."]
+    return "\n".join(lines)
+
+
+_INPUT_GROUP_TITLES = {
+    "i2v": "Input: first frame",
+    "flf2v": "Inputs: first and last frame",
+    "r2v": "Inputs: reference images",
+    "v2v": "Input: control video",
+    "inpaint": "Input: source video",
+    "outpaint": "Input: source video",
+    "extension": "Input: clip to extend",
+}
+_MASK_GROUP_TITLES = {
+    "flf2v": "Masks: keep the first and last frame",
+    "inpaint": "Input: inpaint mask",
+}
+
+
+def _build(name: str) -> _Graph:
     if name not in WORKFLOWS:
         raise KeyError(f"unknown workflow {name!r}; one of {', '.join(WORKFLOWS)}")
     task = name.removesuffix(CACHE_VARIANT)
     graph = _Graph()
-    loader = graph.add("WanVACEModelLoader", model_name=REAL_MODEL, dtype="bf16")
+    loader = graph.add("WanVACEModelLoader", model_name=REAL_MODEL, dtype="bf16", at=("model", 0))
     optional: dict = {}
     if task == "i2v":
-        optional["control_video"] = _out(_scaled_image(graph, "wanvace_example_first.png", "first frame"))
-        optional["control_masks"] = _out(_keep_mask(graph))
+        optional["control_video"] = _out(_scaled_image(graph, EXAMPLE_INPUTS["first"], "first frame", "inputs", 0))
+        optional["control_masks"] = _out(_keep_mask(graph, "inputs", 1))
     elif task == "flf2v":
-        first = _scaled_image(graph, "wanvace_example_first.png", "first frame")
-        last = _scaled_image(graph, "wanvace_example_last.png", "last frame")
-        grey = graph.add(
-            "EmptyImage", "frames to generate", width=WIDTH, height=HEIGHT, batch_size=LENGTH - 2, color=GREY
+        first = graph.add("LoadImage", "first frame", image=EXAMPLE_INPUTS["first"], at=("inputs", 0))
+        first = graph.add(
+            "ImageScale",
+            image=_out(first),
+            upscale_method="lanczos",
+            width=WIDTH,
+            height=HEIGHT,
+            crop="center",
+            at=("inputs", 2),
         )
-        head = graph.add("ImageBatch", image1=_out(first), image2=_out(grey))
-        video = graph.add("ImageBatch", image1=_out(head), image2=_out(last))
-        black = graph.add("MaskToImage", mask=_out(_keep_mask(graph)))
-        white = graph.add("EmptyImage", "generate mask", width=WIDTH, height=HEIGHT, batch_size=LENGTH - 2, color=WHITE)
-        mask_head = graph.add("ImageBatch", image1=_out(black), image2=_out(white))
-        mask_video = graph.add("ImageBatch", image1=_out(mask_head), image2=_out(black))
-        masks = graph.add("ImageToMask", image=_out(mask_video), channel="red")
+        last = graph.add("LoadImage", "last frame", image=EXAMPLE_INPUTS["last"], at=("inputs", 1))
+        last = graph.add(
+            "ImageScale",
+            image=_out(last),
+            upscale_method="lanczos",
+            width=WIDTH,
+            height=HEIGHT,
+            crop="center",
+            at=("inputs", 2),
+        )
+        grey = graph.add(
+            "EmptyImage",
+            "frames to generate",
+            width=WIDTH,
+            height=HEIGHT,
+            batch_size=LENGTH - 2,
+            color=GREY,
+            at=("inputs", 3),
+        )
+        head = graph.add("ImageBatch", "first + grey frames", image1=_out(first), image2=_out(grey), at=("inputs", 3))
+        video = graph.add("ImageBatch", "+ last frame", image1=_out(head), image2=_out(last), at=("inputs", 3))
+        black = graph.add("MaskToImage", mask=_out(_keep_mask(graph, "masks", 0)), at=("masks", 1))
+        white = graph.add(
+            "EmptyImage",
+            "generate mask",
+            width=WIDTH,
+            height=HEIGHT,
+            batch_size=LENGTH - 2,
+            color=WHITE,
+            at=("masks", 0),
+        )
+        mask_head = graph.add("ImageBatch", "keep + generate", image1=_out(black), image2=_out(white), at=("masks", 1))
+        mask_video = graph.add("ImageBatch", "+ keep last", image1=_out(mask_head), image2=_out(black), at=("masks", 1))
+        masks = graph.add("ImageToMask", image=_out(mask_video), channel="red", at=("masks", 1))
         optional["control_video"] = _out(video)
         optional["control_masks"] = _out(masks)
     elif task == "r2v":
-        first = graph.add("LoadImage", "reference 1", image="wanvace_example_ref1.png")
-        second = graph.add("LoadImage", "reference 2", image="wanvace_example_ref2.png")
-        optional["reference_images"] = _out(graph.add("ImageBatch", image1=_out(first), image2=_out(second)))
-    elif task == "v2v":
-        optional["control_video"] = _out(_video_frames(graph, "wanvace_example_control.mp4", "control video"))
-    elif task == "inpaint":
-        optional["control_video"] = _out(_video_frames(graph, "wanvace_example_source.mp4", "source video"))
-        mask = graph.add(
-            "LoadImageMask", "inpaint mask (white = repaint)", image="wanvace_example_mask.png", channel="red"
+        first = graph.add("LoadImage", "reference 1", image=EXAMPLE_INPUTS["ref1"], at=("inputs", 0))
+        second = graph.add("LoadImage", "reference 2", image=EXAMPLE_INPUTS["ref2"], at=("inputs", 1))
+        optional["reference_images"] = _out(
+            graph.add("ImageBatch", "both references", image1=_out(first), image2=_out(second), at=("inputs", 2))
         )
-        mask_image = graph.add("MaskToImage", mask=_out(mask))
+    elif task == "v2v":
+        optional["control_video"] = _out(_video_frames(graph, EXAMPLE_INPUTS["control"], "control video"))
+    elif task == "inpaint":
+        optional["control_video"] = _out(_video_frames(graph, EXAMPLE_INPUTS["source"], "source video"))
+        mask = graph.add(
+            "LoadImageMask",
+            "inpaint mask (white = repaint)",
+            image=EXAMPLE_INPUTS["mask"],
+            channel="red",
+            at=("masks", 0),
+        )
+        mask_image = graph.add("MaskToImage", mask=_out(mask), at=("masks", 1))
         scaled = graph.add(
             "ImageScale",
             image=_out(mask_image),
@@ -128,10 +284,11 @@ def build_api_workflow(name: str) -> dict:
             width=WIDTH,
             height=HEIGHT,
             crop="center",
+            at=("masks", 1),
         )
-        optional["control_masks"] = _out(graph.add("ImageToMask", image=_out(scaled), channel="red"))
+        optional["control_masks"] = _out(graph.add("ImageToMask", image=_out(scaled), channel="red", at=("masks", 1)))
     elif task == "outpaint":
-        inner = _video_frames(graph, "wanvace_example_source.mp4", "source video", width=OUTPAINT_INNER_WIDTH)
+        inner = _video_frames(graph, EXAMPLE_INPUTS["source"], "source video", width=OUTPAINT_INNER_WIDTH)
         padded = graph.add(
             "ImagePadForOutpaint",
             image=_out(inner),
@@ -140,14 +297,15 @@ def build_api_workflow(name: str) -> dict:
             right=OUTPAINT_PAD,
             bottom=0,
             feathering=0,
+            at=("inputs", 2),
         )
         optional["control_video"] = _out(padded, 0)
         optional["control_masks"] = _out(padded, 1)
     elif task == "extension":
         optional["control_video"] = _out(
-            _video_frames(graph, "wanvace_example_source.mp4", "clip to extend", frames=EXTENSION_GIVEN_FRAMES)
+            _video_frames(graph, EXAMPLE_INPUTS["source"], "clip to extend", frames=EXTENSION_GIVEN_FRAMES)
         )
-        optional["control_masks"] = _out(_keep_mask(graph))
+        optional["control_masks"] = _out(_keep_mask(graph, "inputs", 2))
     conditioning = graph.add(
         "WanVACEConditioning",
         model=_out(loader),
@@ -158,6 +316,7 @@ def build_api_workflow(name: str) -> dict:
         length=LENGTH,
         strength=1.0,
         **optional,
+        at=("prompt", 0),
     )
     cache = {}
     if name.endswith(CACHE_VARIANT):
@@ -172,6 +331,7 @@ def build_api_workflow(name: str) -> dict:
             low_noise_max_warmup_steps=2,
             low_noise_max_cached_steps=-1,
             taylorseer_order=1,
+            at=("cache", 0),
         )
         cache["cache"] = _out(cache_options)
     sampler = graph.add(
@@ -186,11 +346,50 @@ def build_api_workflow(name: str) -> dict:
         shift=0.0,
         scheduler="unipc",
         **cache,
+        at=("sampling", 0),
     )
-    frames = graph.add("WanVACEDecode", model=_out(loader), samples=_out(sampler))
-    video = graph.add("CreateVideo", images=_out(frames), fps=16.0)
-    graph.add("SaveVideo", video=_out(video), filename_prefix=f"WanVACE/{name}", format="auto", codec="auto")
-    return graph.nodes
+    frames = graph.add("WanVACEDecode", model=_out(loader), samples=_out(sampler), at=("sampling", 0))
+    video = graph.add("CreateVideo", images=_out(frames), fps=16.0, at=("output", 0))
+    graph.add(
+        "SaveVideo",
+        video=_out(video),
+        filename_prefix=f"WanVACE/{name}",
+        format="auto",
+        codec="auto",
+        at=("output", 0),
+    )
+
+    layout = graph.layout
+    layout.note = _note(name)
+    layout.groups["model"] = "Model"
+    if name.endswith(CACHE_VARIANT):
+        layout.groups["cache"] = "Step caching (Cache-DiT)"
+    if task in _INPUT_GROUP_TITLES:
+        layout.groups["inputs"] = _INPUT_GROUP_TITLES[task]
+    if task in _MASK_GROUP_TITLES:
+        layout.groups["masks"] = _MASK_GROUP_TITLES[task]
+    layout.groups["prompt"] = "Prompt and VACE conditioning"
+    layout.groups["sampling"] = "Sampling"
+    layout.groups["output"] = "Output"
+    # The note and the model top left; the inputs top right of them with the output beside (the
+    # Run button is above it), prompt and sampling below. The bottom right corner stays empty: both
+    # frontends draw their minimap there.
+    left = [["note"], ["model"], *([[key] for key in ("cache", "masks") if key in layout.groups])]
+    if task == "t2v":
+        layout.page = [left, [["prompt", "sampling", "output"]]]
+    else:
+        layout.page = [left, [["inputs", "output"], ["prompt", "sampling"]]]
+    return graph
+
+
+def build_api_workflow(name: str) -> dict:
+    """The API-format graph of one shipped workflow (a task, optionally with the `_cache` variant)."""
+    return _build(name).nodes
+
+
+def build_ui_layout(name: str) -> UiLayout:
+    """Groups, placement and note of one shipped workflow in the graph editor."""
+    return _build(name).layout
 
 
 def for_tiny_model(workflow: dict, **overrides) -> dict:

@@ -1,13 +1,21 @@
 // Load UI-format workflow files into a running ComfyUI frontend (headless
 // Chromium) and report what the real frontend makes of them.
 //
-//   node check_workflows.mjs --url http://127.0.0.1:PORT --out result.json wf1.json ...
+//   node check_workflows.mjs --url http://127.0.0.1:PORT --out result.json
+//        [--screenshots DIR] [--thumbnails DIR] wf1.json ...
 //
-// Findings (missing node types, broken links, dialogs, console errors) go into
-// the report; the exit code is non-zero only when the check itself could not run.
+// Findings (missing node types, broken links, combo values the server does not
+// offer, nodes hidden under the editor's own panels at the saved view, dialogs,
+// console errors) go into the report; the exit code is non-zero only when the
+// check itself could not run.
+//
+// --screenshots DIR (or $CHECK_WORKFLOWS_SCREENSHOTS): DIR/<workflow>.png, the
+//   window as the workflow opens (its saved view).
+// --thumbnails DIR (or $CHECK_WORKFLOWS_THUMBNAILS): DIR/<workflow>.png, the
+//   whole graph fitted to the window with the editor's panels hidden.
 
-import { readFile, writeFile } from 'node:fs/promises';
-import { basename } from 'node:path';
+import { mkdir, readFile, writeFile } from 'node:fs/promises';
+import { basename, join } from 'node:path';
 import { chromium } from 'playwright-core';
 
 const CHROMIUM = process.env.CHROMIUM_PATH || '/usr/bin/chromium';
@@ -34,11 +42,19 @@ function isNoise(text) {
 }
 
 function parseArgs(argv) {
-  const args = { url: null, out: null, files: [] };
+  const args = {
+    url: null,
+    out: null,
+    screenshots: process.env.CHECK_WORKFLOWS_SCREENSHOTS || null,
+    thumbnails: process.env.CHECK_WORKFLOWS_THUMBNAILS || null,
+    files: [],
+  };
   for (let i = 0; i < argv.length; i++) {
     const a = argv[i];
     if (a === '--url') args.url = argv[++i];
     else if (a === '--out') args.out = argv[++i];
+    else if (a === '--screenshots') args.screenshots = argv[++i];
+    else if (a === '--thumbnails') args.thumbnails = argv[++i];
     else if (a.startsWith('--')) throw new Error(`unknown option ${a}`);
     else args.files.push(a);
   }
@@ -109,12 +125,124 @@ function inspectGraph() {
       report(`target ${l.target_id} input ${l.target_slot} points at link ${target.inputs[l.target_slot].link}`);
     }
   }
+  // Combo widgets whose value is not among the options the server offers
+  // (LoadImage / LoadVideo list ComfyUI's input folder, the model loader its
+  // models folder): the prompt would be refused with "Invalid image file" etc.
+  const invalidCombos = [];
+  const combosChecked = [];
+  for (const n of nodes) {
+    for (const w of n.widgets || []) {
+      if (w.type !== 'combo') continue;
+      let values = w.options && w.options.values;
+      if (typeof values === 'function') {
+        try { values = values(w, n); } catch { values = null; }
+      }
+      if (!Array.isArray(values)) continue;
+      combosChecked.push([n.type, w.name]);
+      if (!values.includes(w.value)) {
+        invalidCombos.push({ node: n.id, type: n.type, widget: w.name, value: w.value, options: values.slice(0, 20) });
+      }
+    }
+  }
+  // Notes whose text does not fit their box (the reader would have to scroll).
+  const clippedNotes = [];
+  for (const n of nodes) {
+    if (!/Note$/.test(n.type)) continue;
+    for (const w of n.widgets || []) {
+      const el = w.element;
+      if (!el) continue;
+      const inner = el.querySelector('.ProseMirror, textarea') || el;
+      if (inner.scrollHeight > inner.clientHeight + 2) {
+        clippedNotes.push({ node: n.id, scrollHeight: inner.scrollHeight, clientHeight: inner.clientHeight });
+      }
+    }
+  }
   return {
     node_count: nodes.length,
     node_types: nodes.map((n) => n.type),
+    clipped_notes: clippedNotes,
     missing_types: missing,
     broken_links: broken,
+    invalid_combos: invalidCombos,
+    combos_checked: combosChecked,
+    groups: (g._groups || g.groups || []).map((gr) => gr.title),
+    // As the frontend sized them (it grows nodes to fit their widgets), title bars included.
+    node_boxes: nodes.map((n) => ({
+      id: n.id,
+      type: n.type,
+      box: [n.pos[0], n.pos[1] - LG.NODE_TITLE_HEIGHT, n.size[0], n.size[1] + LG.NODE_TITLE_HEIGHT],
+    })),
+    group_boxes: (g._groups || g.groups || []).map((gr) => ({ title: gr.title, box: [...(gr._bounding || gr.bounding)] })),
   };
+}
+
+// Runs inside the page at the saved view: which nodes and groups are off the
+// window or under the editor's own panels (tab bar, sidebar, Run bar, minimap,
+// zoom controls). Samples points along each title bar and the bottom edge and
+// asks which element is on top there: it must be the graph canvas (or one of
+// the node's own DOM widgets, such as a prompt text box).
+function hiddenAtSavedView() {
+  const app = window.app;
+  const canvasEl = app.canvas.canvas;
+  const rect = canvasEl.getBoundingClientRect();
+  const { scale, offset } = app.canvas.ds;
+  const titleHeight = window.LiteGraph.NODE_TITLE_HEIGHT;
+  const toScreen = (x, y) => [rect.left + (x + offset[0]) * scale, rect.top + (y + offset[1]) * scale];
+  const isOwnWidget = (el) => !!el.closest('.dom-widget, [class*="dom-widget"], .comfy-multiline-input, textarea, video, img');
+  const describe = (el) => {
+    if (!el) return 'off the window';
+    const cls = typeof el.className === 'string' ? el.className : '';
+    return `${el.tagName.toLowerCase()}${el.id ? '#' + el.id : ''}${cls ? '.' + cls.trim().split(/\s+/).slice(0, 3).join('.') : ''}`;
+  };
+  const check = (what, x, y, w, h) => {
+    const problems = [];
+    const ys = [y + Math.min(12, h / 2), y + h - 4];
+    for (const py of ys) {
+      for (const fx of [0.02, 0.5, 0.98]) {
+        const [sx, sy] = toScreen(x + w * fx, py);
+        const el = document.elementFromPoint(sx, sy);
+        if (el === canvasEl || (el && isOwnWidget(el))) continue;
+        problems.push(`${what} at (${Math.round(sx)}, ${Math.round(sy)}): ${describe(el)}`);
+      }
+    }
+    return problems;
+  };
+  const hidden = [];
+  const g = app.graph;
+  for (const n of g._nodes || g.nodes || []) {
+    hidden.push(...check(`node ${n.id} ${n.title}`, n.pos[0], n.pos[1] - titleHeight, n.size[0], n.size[1] + titleHeight));
+  }
+  for (const gr of g._groups || g.groups || []) {
+    const [x, y, w, h] = gr._bounding || gr.bounding;
+    hidden.push(...check(`group ${gr.title}`, x, y, w, h));
+  }
+  return { hidden, view: { scale, offset: [offset[0], offset[1]] }, window: [window.innerWidth, window.innerHeight] };
+}
+
+// Thumbnail view: only the graph canvas and the nodes' own DOM widgets (prompt
+// text boxes, note text, video previews) stay visible; the whole graph is
+// fitted to the window.
+const THUMBNAIL_CSS = `
+  body * { visibility: hidden !important; }
+  canvas#graph-canvas, .dom-widget, .dom-widget * { visibility: visible !important; }
+`;
+
+function fitGraph(margin) {
+  const app = window.app;
+  const g = app.graph;
+  const titleHeight = window.LiteGraph.NODE_TITLE_HEIGHT;
+  let x0 = Infinity, y0 = Infinity, x1 = -Infinity, y1 = -Infinity;
+  const add = (x, y, w, h) => { x0 = Math.min(x0, x); y0 = Math.min(y0, y); x1 = Math.max(x1, x + w); y1 = Math.max(y1, y + h); };
+  for (const n of g._nodes || g.nodes || []) add(n.pos[0], n.pos[1] - titleHeight, n.size[0], n.size[1] + titleHeight);
+  for (const gr of g._groups || g.groups || []) add(...(gr._bounding || gr.bounding));
+  const rect = app.canvas.canvas.getBoundingClientRect();
+  const scale = Math.min((rect.width - 2 * margin) / (x1 - x0), (rect.height - 2 * margin) / (y1 - y0));
+  app.canvas.ds.scale = scale;
+  app.canvas.ds.offset[0] = (rect.width - (x1 - x0) * scale) / 2 / scale - x0;
+  app.canvas.ds.offset[1] = (rect.height - (y1 - y0) * scale) / 2 / scale - y0;
+  app.canvas.show_info = false;
+  app.canvas.setDirty(true, true);
+  return scale;
 }
 
 function collectDialogs(selector) {
@@ -137,7 +265,11 @@ function dismissDialogs(selector) {
   }
 }
 
-async function checkWorkflow(page, file, consoleSink) {
+function imageName(file) {
+  return basename(file).replace(/\.json$/i, '') + '.png';
+}
+
+async function checkWorkflow(page, file, consoleSink, args) {
   const text = await readFile(file, 'utf8');
   const wf = JSON.parse(text);
   const result = {
@@ -149,6 +281,13 @@ async function checkWorkflow(page, file, consoleSink) {
     dialogs: [],
     load_error: null,
     console_errors: [],
+    invalid_combos: [],
+    combos_checked: [],
+    clipped_notes: [],
+    hidden: [],
+    view: null,
+    screenshot: null,
+    thumbnail: null,
     api_prompt: null,
   };
   await page.evaluate(dismissDialogs, DIALOG_SELECTOR);
@@ -168,6 +307,11 @@ async function checkWorkflow(page, file, consoleSink) {
   const info = await page.evaluate(inspectGraph);
   Object.assign(result, info);
   result.dialogs = await page.evaluate(collectDialogs, DIALOG_SELECTOR);
+  Object.assign(result, await page.evaluate(hiddenAtSavedView));
+  if (args.screenshots) {
+    result.screenshot = join(args.screenshots, imageName(file));
+    await page.screenshot({ path: result.screenshot });
+  }
   try {
     result.api_prompt = await page.evaluate(async () => {
       const p = await window.app.graphToPrompt();
@@ -177,6 +321,15 @@ async function checkWorkflow(page, file, consoleSink) {
   } catch (err) {
     result.api_prompt = null;
     result.load_error = result.load_error || `graphToPrompt: ${err && err.message ? err.message : err}`;
+  }
+  if (args.thumbnails) {
+    const style = await page.addStyleTag({ content: THUMBNAIL_CSS });
+    await page.evaluate(fitGraph, 16);
+    await page.waitForTimeout(SETTLE_MS);
+    result.thumbnail = join(args.thumbnails, imageName(file));
+    await page.screenshot({ path: result.thumbnail });
+    await style.evaluate((el) => el.remove());
+    await page.evaluate(() => { window.app.canvas.show_info = true; });
   }
   result.console_errors = consoleSink.filter((t) => !isNoise(t));
   result.console_noise = consoleSink.filter(isNoise);
@@ -210,6 +363,9 @@ async function main() {
       '--disable-sync',
     ],
   });
+  for (const dir of [args.screenshots, args.thumbnails]) {
+    if (dir) await mkdir(dir, { recursive: true });
+  }
   const report = { url: args.url, startup_console_errors: [], startup_dialogs: [], results: [] };
   try {
     const context = await browser.newContext({ viewport: { width: 1600, height: 1000 } });
@@ -244,11 +400,12 @@ async function main() {
     report.startup_dialogs = await page.evaluate(collectDialogs, DIALOG_SELECTOR);
 
     for (const file of args.files) {
-      const res = await withTimeout(checkWorkflow(page, file, consoleSink), WORKFLOW_TIMEOUT_MS, file);
+      const res = await withTimeout(checkWorkflow(page, file, consoleSink, args), WORKFLOW_TIMEOUT_MS, file);
       report.results.push(res);
       console.log(
         `${res.name}: ${res.node_count} nodes, missing=${res.missing_types.length}, ` +
-          `broken=${res.broken_links.length}, dialogs=${res.dialogs.length}, ` +
+          `broken=${res.broken_links.length}, invalid_combos=${res.invalid_combos.length}, ` +
+          `hidden=${res.hidden.length}, dialogs=${res.dialogs.length}, ` +
           `console_errors=${res.console_errors.length}`,
       );
     }

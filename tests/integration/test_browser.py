@@ -1,48 +1,89 @@
-"""The shipped UI workflows load cleanly in ComfyUI's real graph editor and queue exactly their API twins.
+"""The shipped workflows: templates, example inputs, and how they open in ComfyUI's real graph editor.
 
-`scripts/make_workflows.py` writes `workflows/wanvace_<task>.json` (UI format) and
-`tests/api_workflows/wanvace_<task>.json` (API format) from `tests/workflow_graphs.py`. Here the
-frontend (headless Chromium) loads every UI workflow, and what it would queue
-(`app.graphToPrompt().output`) must be the API twin.
+`scripts/make_workflows.py` writes `workflows/<title>.json` (UI format; the template browser of
+frontends 1.32 and 1.49 titles a pack's template with its file name), its thumbnail
+`workflows/<title>.jpg`, and `tests/api_workflows/wanvace_<name>.json` (API format), all from
+`tests/workflow_graphs.py`. The pack copies `example_inputs/` into ComfyUI's input folder when it
+loads (`nodes/examples.py`), so the files the workflows name are there.
+
+In the graph editor of the set under test (headless Chromium, tests/browser/check_workflows.mjs)
+every UI workflow must load without missing node types or input files, keep its nodes out of the
+editor's own panels at the saved view, and queue exactly its API twin. A screenshot per workflow at
+the saved view goes to pytest's tmp dir and, with `$WANVACE_SCREENSHOT_DIR`, there too, as
+`<set>_<name>.png`.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import logging
+import os
+import shutil
 from pathlib import Path
 
 import pytest
-from comfy_server import PACKAGE_DIR_NAME, REPO_ROOT, check_workflows_in_browser
-from workflow_graphs import WORKFLOWS, build_api_workflow
+from comfy_server import PACKAGE_DIR_NAME, REPO_ROOT, ComfyServer, check_workflows_in_browser
+from workflow_graphs import (
+    EXAMPLE_INPUTS,
+    REAL_MODEL,
+    WORKFLOW_TITLES,
+    WORKFLOWS,
+    build_api_workflow,
+    build_ui_layout,
+)
 
 pytestmark = pytest.mark.integration
 
 WORKFLOWS_DIR = REPO_ROOT / "workflows"
 API_DIR = REPO_ROOT / "tests" / "api_workflows"
+EXAMPLE_DIR = REPO_ROOT / "example_inputs"
+REGENERATE = "run `.venvs/current/bin/python scripts/make_workflows.py`"
 
-# Inputs the frontend (1.32.9) puts into the prompt although the node does not declare them, with
-# the value it sends. LoadVideo gets a "video-preview" DOM widget once its video has loaded; the
+# Inputs the frontend (1.32.9, 1.49.6) puts into the prompt although the node does not declare them,
+# with the value it sends. LoadVideo gets a "video-preview" DOM widget once its video has loaded; the
 # widget opts out of the saved workflow but not of graphToPrompt, and the server ignores it.
 FRONTEND_ONLY_INPUTS = {"LoadVideo": {"video-preview": ""}}
+# Loader combos whose value names a file in ComfyUI's input folder.
+INPUT_FILE_WIDGETS = {("LoadImage", "image"), ("LoadImageMask", "image"), ("LoadVideo", "file")}
+DYNAMIC_COMBO = "COMFY_DYNAMICCOMBO_V3"
 
 
-def _load_make_workflows():
-    spec = importlib.util.spec_from_file_location("make_workflows", REPO_ROOT / "scripts" / "make_workflows.py")
+def _load_module(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-make_workflows = _load_make_workflows()
+make_workflows = _load_module("make_workflows", REPO_ROOT / "scripts" / "make_workflows.py")
+examples = _load_module("wanvace_examples", REPO_ROOT / "nodes" / "examples.py")
 
 
 def _ui_file(task: str) -> Path:
-    return WORKFLOWS_DIR / f"wanvace_{task}.json"
+    return WORKFLOWS_DIR / f"{WORKFLOW_TITLES[task]}.json"
+
+
+def _thumbnail(task: str) -> Path:
+    return WORKFLOWS_DIR / f"{WORKFLOW_TITLES[task]}.jpg"
 
 
 def _api_file(task: str) -> Path:
     return API_DIR / f"wanvace_{task}.json"
+
+
+def _ui(task: str) -> dict:
+    return json.loads(_ui_file(task).read_text(encoding="utf-8"))
+
+
+def _named_inputs(task: str) -> list[str]:
+    """The input files a workflow's loaders open."""
+    return [
+        node["inputs"][widget]
+        for node in build_api_workflow(task).values()
+        for class_type, widget in INPUT_FILE_WIDGETS
+        if node["class_type"] == class_type
+    ]
 
 
 def _canonical(value):
@@ -56,84 +97,356 @@ def _canonical(value):
     return value
 
 
-def _comparable(prompt: dict, from_frontend: bool) -> str:
-    """A prompt without `_meta` (and, from the frontend, its known extra inputs) as canonical JSON text.
+def _spec_default(spec: list):
+    """What ComfyUI uses for an input the prompt leaves out: its default, else a combo's first option."""
+    kind, options = spec[0], (spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {})
+    if "default" in options:
+        return options["default"]
+    if isinstance(kind, list) and kind:
+        return kind[0]
+    if kind == DYNAMIC_COMBO and options.get("options"):
+        return options["options"][0]["key"]
+    if kind == "COMBO" and options.get("options"):
+        return options["options"][0]
+    raise KeyError("no default")
+
+
+def _server_default(info: dict, name: str, inputs: dict):
+    """The value the server gives input `name` of a node (object_info entry `info`) that the prompt omits.
+
+    `a.b` is input b of the option that dynamic combo a has selected (ComfyUI 0.33's SaveVideo sends
+    `format.codec`).
+    """
+    specs = {k: v for section in ("required", "optional") for k, v in info["input"].get(section, {}).items()}
+    if "." in name:
+        parent, child = name.split(".", 1)
+        spec = specs[parent]
+        chosen = inputs.get(parent, _spec_default(spec))
+        (option,) = [o for o in spec[1]["options"] if o["key"] == chosen]
+        sub = {k: v for section in ("required", "optional") for k, v in option["inputs"].get(section, {}).items()}
+        return _spec_default(sub[child])
+    return _spec_default(specs[name])
+
+
+def _comparable(prompt: dict) -> str:
+    """A prompt without `_meta` as canonical JSON text.
 
     Comparing JSON text keeps types strict apart from the int/float case above (no "16" == 16, True == 1).
     """
-    nodes = {}
-    for node_id, node in prompt.items():
-        inputs = dict(node["inputs"])
-        if from_frontend:
-            for name, sent in FRONTEND_ONLY_INPUTS.get(node["class_type"], {}).items():
-                if name in inputs:
-                    assert inputs.pop(name) == sent, f"node {node_id}: unexpected {name}={node['inputs'][name]!r}"
-        nodes[node_id] = {"class_type": node["class_type"], "inputs": inputs}
+    nodes = {node_id: {"class_type": node["class_type"], "inputs": node["inputs"]} for node_id, node in prompt.items()}
     return json.dumps(_canonical(nodes), indent=1, sort_keys=True)
 
 
-# --- without a browser -------------------------------------------------------
+def _without_frontend_additions(queued: dict, twin: dict, object_info: dict) -> dict:
+    """What the frontend queued, less the inputs it adds on its own: FRONTEND_ONLY_INPUTS, and inputs the
+    twin leaves out that it sends at the server's default (ComfyUI 0.33's CreateVideo.bit_depth and
+    SaveVideo's `format.codec`, which 0.3.75 does not have)."""
+    cleaned = {}
+    for node_id, node in queued.items():
+        inputs = dict(node["inputs"])
+        twin_inputs = twin.get(node_id, {}).get("inputs", {})
+        for name in [n for n in inputs if n not in twin_inputs]:
+            sent = inputs.pop(name)
+            known = FRONTEND_ONLY_INPUTS.get(node["class_type"], {})
+            if name in known:
+                assert sent == known[name], f"node {node_id}: unexpected {name}={sent!r}"
+                continue
+            default = _server_default(object_info[node["class_type"]], name, inputs)
+            assert _canonical(sent) == _canonical(default), (
+                f"node {node_id} ({node['class_type']}): the frontend sends {name}={sent!r}, "
+                f"not the server's default {default!r}"
+            )
+        cleaned[node_id] = {**node, "inputs": inputs}
+    return cleaned
+
+
+def _combo_options(spec: list) -> list:
+    """A combo's options in either form of /object_info: [[...], {...}] or ["COMBO", {"options": [...]}]."""
+    if isinstance(spec[0], list):
+        return spec[0]
+    return spec[1].get("options", []) if len(spec) > 1 else []
+
+
+def _overlaps(a: tuple, b: tuple) -> bool:
+    ax, ay, aw, ah = a
+    bx, by, bw, bh = b
+    return ax < bx + bw and bx < ax + aw and ay < by + bh and by < ay + ah
+
+
+def _inside(inner: tuple, outer: tuple) -> bool:
+    ix, iy, iw, ih = inner
+    ox, oy, ow, oh = outer
+    return ox <= ix and oy <= iy and ix + iw <= ox + ow and iy + ih <= oy + oh
+
+
+def _node_box(node: dict) -> tuple:
+    """The node with its title bar (LiteGraph draws it above `pos`)."""
+    x, y = node["pos"]
+    w, h = node["size"]
+    return (x, y - make_workflows.TITLE_HEIGHT, w, h + make_workflows.TITLE_HEIGHT)
+
+
+# --- without ComfyUI -----------------------------------------------------------
 
 
 @pytest.mark.parametrize("task", WORKFLOWS)
 def test_api_twin_matches_graph_builder(task):
     assert _api_file(task).read_text(encoding="utf-8") == make_workflows.dumps(build_api_workflow(task)), (
-        f"{_api_file(task).name} is stale; run `.venv/bin/python scripts/make_workflows.py`"
+        f"{_api_file(task).name} is stale; {REGENERATE}"
     )
 
 
 @pytest.mark.parametrize("task", WORKFLOWS)
-def test_ui_workflow_matches_converter(comfy_server, task):
-    ui = make_workflows.api_to_ui(build_api_workflow(task), comfy_server.object_info())
-    assert _ui_file(task).read_text(encoding="utf-8") == make_workflows.dumps(ui), (
-        f"{_ui_file(task).name} is stale; run `.venv/bin/python scripts/make_workflows.py`"
-    )
+def test_ui_workflow_has_its_note_groups_and_a_readable_saved_view(task):
+    ui = _ui(task)
+    (note,) = [n for n in ui["nodes"] if n["type"] == make_workflows.NOTE_TYPE]
+    text = note["widgets_values"][0]
+    for file in _named_inputs(task):
+        assert f"`{file}`" in text, f"the note does not say that {file} is an example to replace"
+    assert f"ComfyUI/models/diffusers/{REAL_MODEL}/" in text and "transformer_2/" in text
 
+    layout = build_ui_layout(task)
+    groups = {g["title"]: tuple(g["bounding"]) for g in ui["groups"]}
+    assert sorted(groups) == sorted(layout.groups.values())
+    assert {"Model", "Prompt and VACE conditioning", "Sampling", "Output"} <= set(groups)
+    for node in ui["nodes"]:
+        if node is note:
+            continue
+        title = layout.groups[layout.placement[str(node["id"])][0]]
+        assert _inside(_node_box(node), groups[title]), f"node {node['id']} sticks out of group {title!r}"
+    boxes = [*groups.values(), _node_box(note)]
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1 :]:
+            assert not _overlaps(a, b), f"{a} and {b} overlap"
 
-def test_workflows_dir_holds_the_tasks_with_registered_nodes_only(comfy_server):
-    assert sorted(p.name for p in WORKFLOWS_DIR.iterdir()) == sorted(_ui_file(t).name for t in WORKFLOWS)
-    registered = set(comfy_server.object_info())
-    for task in WORKFLOWS:
-        wf = json.loads(_ui_file(task).read_text(encoding="utf-8"))
-        types = {node["type"] for node in wf["nodes"]}
-        assert types <= registered, f"{task}: node types unknown to the server: {sorted(types - registered)}"
-
-
-def test_workflows_are_listed_as_templates(comfy_server):
-    r = comfy_server.get("/api/workflow_templates")
-    r.raise_for_status()
-    listed = r.json()
-    assert sorted(listed.get(PACKAGE_DIR_NAME, [])) == sorted(f"wanvace_{t}" for t in WORKFLOWS), listed
-    # The template browser then fetches each file from the package's static route.
-    for task in WORKFLOWS:
-        served = comfy_server.get(f"/api/workflow_templates/{PACKAGE_DIR_NAME}/wanvace_{task}.json")
-        served.raise_for_status()
-        assert served.json() == json.loads(_ui_file(task).read_text(encoding="utf-8"))
+    # The page fits roughly 1,600 x 1,000 px, and the saved view shows it at a zoom where the editor
+    # still draws text (it switches to low-detail rendering below 8 px / 14 px = 0.57).
+    width = max(x + w for x, _y, w, _h in boxes)
+    height = max(y + h for _x, y, _w, h in boxes)
+    assert width <= 2000 and height <= 1200, (width, height)
+    ds = ui["extra"]["ds"]
+    assert 0.75 <= ds["scale"] <= 1
+    left, top = (ds["offset"][0] * ds["scale"], ds["offset"][1] * ds["scale"])
+    assert left >= 75 and top >= 135, "the graph starts under the editor's sidebar or tab bar"
 
 
 def test_ui_workflow_layout_has_no_overlaps():
     for task in WORKFLOWS:
-        nodes = json.loads(_ui_file(task).read_text(encoding="utf-8"))["nodes"]
-        # pos is the body's top-left; the title bar sits above it.
-        boxes = {
-            n["id"]: (n["pos"][0], n["pos"][1] - make_workflows.TITLE_HEIGHT, n["size"][0], n["size"][1]) for n in nodes
-        }
-        for a, (ax, ay, aw, ah) in boxes.items():
-            for b, (bx, by, bw, bh) in boxes.items():
+        boxes = {n["id"]: _node_box(n) for n in _ui(task)["nodes"]}
+        for a, box_a in boxes.items():
+            for b, box_b in boxes.items():
                 if a < b:
-                    overlap = ax < bx + bw and bx < ax + aw and ay < by + bh and by < ay + ah
-                    assert not overlap, f"{task}: nodes {a} and {b} overlap"
+                    assert not _overlaps(box_a, box_b), f"{task}: nodes {a} and {b} overlap"
 
 
-# --- in the graph editor -----------------------------------------------------
+@pytest.mark.parametrize("task", WORKFLOWS)
+def test_thumbnail_is_a_small_jpeg(task):
+    data = _thumbnail(task).read_bytes()
+    assert data[:3] == b"\xff\xd8\xff", f"{_thumbnail(task).name} is not a JPEG"
+    assert len(data) <= make_workflows.THUMBNAIL_MAX_BYTES
+
+
+def test_every_named_input_is_shipped_small_and_in_the_workflows_aspect():
+    from PIL import Image
+
+    named = {file for task in WORKFLOWS for file in _named_inputs(task)}
+    assert named == set(EXAMPLE_INPUTS.values())
+    assert sorted(p.name for p in EXAMPLE_DIR.iterdir()) == sorted(named)
+    for file in named:
+        path = EXAMPLE_DIR / file
+        assert path.stat().st_size < 20_000, f"{file} is {path.stat().st_size} bytes"
+        if path.suffix == ".png":
+            with Image.open(path) as image:
+                assert image.size == (208, 120), f"{file}: {image.size}"
+
+
+def test_example_inputs_match_their_generator():
+    generator = _load_module("make_example_inputs", REPO_ROOT / "scripts" / "make_example_inputs.py")
+    assert generator.main(["--check"]) == 0, "run `.venvs/current/bin/python scripts/make_example_inputs.py`"
+
+
+# --- the example-input copy (nodes/examples.py), without ComfyUI ---------------
+
+
+def test_copy_fills_the_input_dir_and_keeps_what_is_there(tmp_path, caplog):
+    input_dir = tmp_path / "input"
+    input_dir.mkdir()
+    mine = input_dir / EXAMPLE_INPUTS["first"]
+    mine.write_bytes(b"the user's own picture")
+    (input_dir / EXAMPLE_INPUTS["control"]).mkdir()  # a folder of that name is left alone too
+    (input_dir / EXAMPLE_INPUTS["ref1"]).symlink_to(tmp_path / "dangling")
+
+    with caplog.at_level(logging.INFO):
+        copied = examples.copy_missing_examples(input_dir)
+    kept = {EXAMPLE_INPUTS[k] for k in ("first", "control", "ref1")}
+    assert sorted(copied) == sorted(set(EXAMPLE_INPUTS.values()) - kept)
+    assert mine.read_bytes() == b"the user's own picture"
+    assert (input_dir / EXAMPLE_INPUTS["control"]).is_dir()
+    assert (input_dir / EXAMPLE_INPUTS["ref1"]).is_symlink()
+    for name in copied:
+        assert (input_dir / name).read_bytes() == (EXAMPLE_DIR / name).read_bytes()
+    assert any("copied example inputs" in r.getMessage() and r.levelno == logging.INFO for r in caplog.records)
+
+    assert examples.copy_missing_examples(input_dir) == []
+    assert mine.read_bytes() == b"the user's own picture"
+
+
+def test_copy_creates_a_missing_input_dir(tmp_path):
+    copied = examples.copy_missing_examples(tmp_path / "new" / "input")
+    assert sorted(copied) == sorted(EXAMPLE_INPUTS.values())
+
+
+def test_an_unwritable_input_dir_only_logs_a_warning(tmp_path, monkeypatch, caplog):
+    # Root may write anywhere, so the refusal is simulated where the copy opens its target.
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(examples.os, "open", refuse)
+    input_dir = tmp_path / "input"
+    input_dir.mkdir()
+    with caplog.at_level(logging.WARNING):
+        assert examples.copy_missing_examples(input_dir) == []
+    assert list(input_dir.iterdir()) == []
+    assert any(r.levelno == logging.WARNING and "Permission denied" in r.getMessage() for r in caplog.records)
+
+    a_file = tmp_path / "not-a-folder"
+    a_file.write_text("x")
+    with caplog.at_level(logging.WARNING):
+        assert examples.copy_missing_examples(a_file / "input") == []
+
+
+def test_a_failed_write_leaves_no_partial_file(tmp_path, monkeypatch):
+    real_fdopen = examples.os.fdopen
+
+    class FullDisk:
+        def __init__(self, fd, mode):
+            self.file = real_fdopen(fd, mode)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.file.close()
+
+        def write(self, data):
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(examples.os, "fdopen", FullDisk)
+    input_dir = tmp_path / "input"
+    input_dir.mkdir()
+    assert examples.copy_missing_examples(input_dir) == []
+    assert list(input_dir.iterdir()) == []
+
+
+def test_install_without_comfyui_only_logs_a_warning(monkeypatch, caplog):
+    monkeypatch.setitem(__import__("sys").modules, "folder_paths", None)
+    monkeypatch.setattr(examples, "_installed", False)
+    with caplog.at_level(logging.WARNING):
+        assert examples.install_example_inputs() == []
+    assert any("example inputs not copied" in r.getMessage() for r in caplog.records)
+
+
+# --- with ComfyUI --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def object_info(comfy_server) -> dict:
+    return comfy_server.object_info()
+
+
+@pytest.mark.parametrize("task", WORKFLOWS)
+def test_ui_workflow_matches_converter(object_info, task):
+    ui = make_workflows.build_ui_workflow(task, object_info)
+    assert _ui_file(task).read_text(encoding="utf-8") == make_workflows.dumps(ui), (
+        f"{_ui_file(task).name} is stale; {REGENERATE}"
+    )
+
+
+def test_workflows_dir_holds_the_workflows_and_thumbnails_with_registered_nodes_only(object_info):
+    expected = [_ui_file(t).name for t in WORKFLOWS] + [_thumbnail(t).name for t in WORKFLOWS]
+    assert sorted(p.name for p in WORKFLOWS_DIR.iterdir()) == sorted(expected)
+    registered = set(object_info) | {make_workflows.NOTE_TYPE}
+    for task in WORKFLOWS:
+        types = {node["type"] for node in _ui(task)["nodes"]}
+        assert types <= registered, f"{task}: node types unknown to the server: {sorted(types - registered)}"
+
+
+def test_workflows_are_listed_as_templates_with_thumbnails(comfy_server):
+    r = comfy_server.get("/api/workflow_templates")
+    r.raise_for_status()
+    listed = r.json()
+    assert sorted(listed.get(PACKAGE_DIR_NAME, [])) == sorted(WORKFLOW_TITLES[t] for t in WORKFLOWS), listed
+    # The template browser fetches /api/workflow_templates/<pack>/<name>.json and, for the card,
+    # <name>.jpg (frontend 1.32 and 1.49: mediaType image, mediaSubtype jpg for a pack's template).
+    for task in WORKFLOWS:
+        served = comfy_server.get(f"/api/workflow_templates/{PACKAGE_DIR_NAME}/{WORKFLOW_TITLES[task]}.json")
+        served.raise_for_status()
+        assert served.json() == _ui(task)
+        thumbnail = comfy_server.get(f"/api/workflow_templates/{PACKAGE_DIR_NAME}/{WORKFLOW_TITLES[task]}.jpg")
+        assert thumbnail.status_code == 200, thumbnail.status_code
+        assert thumbnail.headers["Content-Type"] == "image/jpeg"
+        assert thumbnail.content == _thumbnail(task).read_bytes()
+
+
+def test_loaders_offer_the_example_inputs(object_info):
+    offered = {
+        (class_type, widget): set(_combo_options(object_info[class_type]["input"]["required"][widget]))
+        for class_type, widget in INPUT_FILE_WIDGETS
+    }
+    for task in WORKFLOWS:
+        for node in build_api_workflow(task).values():
+            for (class_type, widget), files in offered.items():
+                if node["class_type"] == class_type:
+                    assert node["inputs"][widget] in files, f"{task}: {class_type} does not offer {node['inputs']}"
+
+
+def test_the_pack_copies_example_inputs_at_load_without_overwriting(tmp_path):
+    """A fresh ComfyUI whose input folder holds a user's file of the same name as an example."""
+    server = ComfyServer(tmp_path / "base")
+    server.prepare()
+    mine = server.base_dir / "input" / EXAMPLE_INPUTS["first"]
+    mine.write_bytes(b"the user's own picture")
+    server.start(timeout=180)
+    try:
+        offered = set(_combo_options(server.object_info("LoadVideo")["LoadVideo"]["input"]["required"]["file"]))
+    finally:
+        server.stop()
+    assert mine.read_bytes() == b"the user's own picture"
+    for name in set(EXAMPLE_INPUTS.values()) - {mine.name}:
+        assert (server.base_dir / "input" / name).read_bytes() == (EXAMPLE_DIR / name).read_bytes()
+    assert {EXAMPLE_INPUTS["control"], EXAMPLE_INPUTS["source"]} <= offered
+    log = server.log_text()
+    assert "copied example inputs" in log and mine.name not in log.split("copied example inputs", 1)[1].split("\n")[0]
+
+
+# --- in the graph editor -------------------------------------------------------
+
+
+def _set_name(comfy_server) -> str:
+    if os.environ.get("WANVACE_SET"):
+        return os.environ["WANVACE_SET"]
+    return f"comfyui-{comfy_server.system_stats()['system'].get('comfyui_version', 'unknown')}"
 
 
 @pytest.fixture(scope="module")
 def browser_results(comfy_server, tmp_path_factory) -> dict[str, dict]:
-    report = tmp_path_factory.mktemp("browser") / "check_workflows.json"
-    results = check_workflows_in_browser(comfy_server.url, [_ui_file(t) for t in WORKFLOWS], report)
-    by_task = {Path(r["file"]).stem.removeprefix("wanvace_"): r for r in results}
-    assert sorted(by_task) == sorted(WORKFLOWS)
+    tmp = tmp_path_factory.mktemp("browser")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CHECK_WORKFLOWS_SCREENSHOTS", str(tmp / "raw"))
+        results = check_workflows_in_browser(comfy_server.url, [_ui_file(t) for t in WORKFLOWS], tmp / "report.json")
+    by_file = {Path(r["file"]).resolve(): r for r in results}
+    by_task = {task: by_file[_ui_file(task).resolve()] for task in WORKFLOWS}
+
+    set_name = _set_name(comfy_server)
+    targets = [tmp / "screenshots"]
+    if os.environ.get("WANVACE_SCREENSHOT_DIR"):
+        targets.append(Path(os.environ["WANVACE_SCREENSHOT_DIR"]))
+    for target in targets:
+        target.mkdir(parents=True, exist_ok=True)
+        for task, res in by_task.items():
+            if res.get("screenshot"):
+                shutil.copyfile(res["screenshot"], target / f"{set_name}_{task}.png")
+    print(f"screenshots at the saved view: {', '.join(str(t) for t in targets)}")
     return by_task
 
 
@@ -147,12 +460,59 @@ def test_workflow_loads_cleanly(browser_results, task):
     assert res["broken_links"] == [], res["broken_links"]
     assert res["dialogs"] == [], res["dialogs"]
     assert res["console_errors"] == [], res["console_errors"]
+    assert res["screenshot"] and Path(res["screenshot"]).is_file()
 
 
 @pytest.mark.browser
 @pytest.mark.parametrize("task", WORKFLOWS)
-def test_graph_to_prompt_equals_api_twin(browser_results, task):
+def test_workflow_opens_with_its_input_files(browser_results, task):
+    # Every combo is among the server's options, but the model folder, which the user downloads.
+    res = browser_results[task]
+    invalid = [(c["type"], c["widget"], c["value"]) for c in res["invalid_combos"]]
+    assert invalid == [("WanVACEModelLoader", "model_name", REAL_MODEL)], res["invalid_combos"]
+    # The check saw the loaders' file combos (so the frontend drew them as combos with the server's list).
+    checked = {tuple(c) for c in res["combos_checked"]}
+    wanted = {
+        (node["class_type"], w)
+        for node in build_api_workflow(task).values()
+        for c, w in INPUT_FILE_WIDGETS
+        if c == node["class_type"]
+    }
+    assert wanted <= checked, (wanted, checked)
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("task", WORKFLOWS)
+def test_saved_view_hides_nothing(browser_results, task):
+    res = browser_results[task]
+    assert res["hidden"] == [], "\n".join(res["hidden"])
+    assert res["clipped_notes"] == [], res["clipped_notes"]
+    assert res["view"]["scale"] == _ui(task)["extra"]["ds"]["scale"], "the frontend did not restore the saved view"
+    assert sorted(res["groups"]) == sorted(g["title"] for g in _ui(task)["groups"])
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("task", WORKFLOWS)
+def test_nodes_keep_to_their_groups_as_the_frontend_sizes_them(browser_results, task):
+    res = browser_results[task]
+    layout = build_ui_layout(task)
+    groups = {g["title"]: tuple(g["box"]) for g in res["group_boxes"]}
+    nodes = {n["id"]: (n["type"], tuple(n["box"])) for n in res["node_boxes"]}
+    for node_id, (node_type, box) in nodes.items():
+        if node_type == make_workflows.NOTE_TYPE:
+            continue
+        title = layout.groups[layout.placement[str(node_id)][0]]
+        assert _inside(box, groups[title]), f"node {node_id} ({node_type}) {box} sticks out of {title!r}"
+    ids = sorted(nodes)
+    for i, a in enumerate(ids):
+        for b in ids[i + 1 :]:
+            assert not _overlaps(nodes[a][1], nodes[b][1]), f"nodes {a} and {b} overlap: {nodes[a]} {nodes[b]}"
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("task", WORKFLOWS)
+def test_graph_to_prompt_equals_api_twin(browser_results, object_info, task):
     queued = browser_results[task]["api_prompt"]
     assert queued, f"graphToPrompt gave nothing: {browser_results[task]['load_error']}"
     twin = json.loads(_api_file(task).read_text(encoding="utf-8"))
-    assert _comparable(queued, from_frontend=True) == _comparable(twin, from_frontend=False)
+    assert _comparable(_without_frontend_additions(queued, twin, object_info)) == _comparable(twin)
