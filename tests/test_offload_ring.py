@@ -147,3 +147,19 @@ def test_ring_reuses_whichever_slot_is_free_and_refuses_to_overrun():
         ring.release(unit, handle)
     ring.close()
     assert ops.pending() == 0
+
+
+def test_dropping_the_model_gives_its_pinned_buffers_back(tiny_folder):
+    import gc
+
+    ops = SimulatedStreamOps()
+    freed: list[int] = []
+    unlock = ops.free_host_buffer
+    ops.free_host_buffer = lambda buffer: (freed.append(buffer.numel()), unlock(buffer))
+    model = _ring_model(tiny_folder, ops, prefetch_blocks=1)
+    _observed_run(model, ops)
+    pinned = sum(buffer.numel() for buffer in model.residency.transfer.pinned)
+    assert pinned > 0 and not freed
+    del model
+    gc.collect()
+    assert sum(freed) == pinned  # the finalizer closed the ring without anyone calling close()
