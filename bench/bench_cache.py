@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tests.metrics import psnr
 from wanvace_core import (
     CacheOptions,
     ExpertCacheLimits,
@@ -30,7 +31,6 @@ from wanvace_core import (
     prepare_conditioning,
     sample,
 )
-from wanvace_core.caching import psnr
 from wanvace_core.tiny import TinyModelSpec, write_tiny_pipeline
 
 

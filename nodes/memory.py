@@ -73,7 +73,8 @@ class WanVACEPatcher(comfy.model_patcher.ModelPatcher):
         if model is None:
             return 0
         released = model.release_device_memory()
-        logger.info("WanVACE released %d bytes (%.1f MB) of device memory at ComfyUI's request", released, released / 2**20)
+        megabytes = released / 2**20
+        logger.info("WanVACE released %d bytes (%.1f MB) of device memory at ComfyUI's request", released, megabytes)
         return released
 
     def clone(self, *args, **kwargs):
