@@ -6,6 +6,7 @@ import pytest
 import torch
 from diffusers import WanVACEPipeline
 
+from tests.metrics import expected_block_calls, psnr
 from tests.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH, build_task
 from wanvace_core import (
     CacheOptions,
@@ -17,7 +18,6 @@ from wanvace_core import (
     prepare_conditioning,
     sample,
 )
-from wanvace_core.caching import expected_block_calls, psnr
 
 STEPS = 16
 NEVER_CACHE = ExpertCacheLimits(max_warmup_steps=1000)
@@ -251,7 +251,7 @@ def test_parity_with_cache_dit_on_diffusers_pipeline(mode, model, tiny_folder):
     ours = sample(model, _cond(model, "v2v"), _settings(), cache=options)
     high, low = ours.cache_report.experts
 
-    reference = WanVACEPipeline.from_pretrained(tiny_folder, dtype=torch.float32)
+    reference = WanVACEPipeline.from_pretrained(tiny_folder, torch_dtype=torch.float32)
     reference.set_progress_bar_config(disable=True)
     calibrator = TaylorSeerCalibratorConfig(taylorseer_order=1) if options.uses_taylorseer else None
 

@@ -61,6 +61,15 @@ def test_interleaved_forward_equals_stock_forward_and_runs_hints_where_consumed(
         assert order == ["vace_blocks.0", "blocks.0", "blocks.1", "vace_blocks.1", "blocks.2", "blocks.3"]
         assert stock_order == ["vace_blocks.0", "vace_blocks.1", "blocks.0", "blocks.1", "blocks.2", "blocks.3"]
 
+        # LoRA scaling through attention_kwargs differs between diffusers versions: it runs the stock forward.
+        def with_attention_kwargs(expert=expert, inputs=inputs):
+            return expert(**inputs, attention_kwargs={"scale": 1.0})[0]
+
+        with torch.no_grad():
+            kwargs_order, with_kwargs = _block_order(expert, with_attention_kwargs)
+        assert kwargs_order == stock_order
+        assert torch.equal(with_kwargs, stock), dtype
+
 
 def test_interleaved_forward_is_restored_after_a_cached_run(loaded_models):
     model = loaded_models("fp32")

@@ -26,7 +26,7 @@ def folder_copy(tiny_folder, tmp_path) -> Path:
 def test_loaded_tensors_and_dtypes_equal_diffusers_from_pretrained(dtype, tiny_folder):
     ours = load_pipeline(tiny_folder, dtype)
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    reference = WanVACEPipeline.from_pretrained(tiny_folder, dtype=torch_dtype)
+    reference = WanVACEPipeline.from_pretrained(tiny_folder, torch_dtype=torch_dtype)
     for name in ("transformer", "transformer_2", "text_encoder", "vae"):
         expected = getattr(reference, name).state_dict()
         actual = getattr(ours, name).state_dict()

@@ -7,8 +7,12 @@ output, so running VACE block k just before main block `vace_layers[k]` gives th
 while holding one hint at a time. It also makes the block execution order the one layerwise
 offload streams in: `vace_blocks.k` interleaved before `blocks.vace_layers[k]`.
 
-Sections other than the block loop mirror diffusers 0.42's forward line for line so the result is
-bitwise equal (tested against the stock forward).
+Sections other than the block loop mirror diffusers' forward line for line so the result is bitwise
+equal to the installed stock forward (tested against it in every dependency set). diffusers 0.36 and
+0.42 compute the same thing: 0.42 only adds `.to(hidden_states.device)` on each hint (kept here; a no-op
+on one device) and moves the LoRA `attention_kwargs["scale"]` handling into a decorator. A call with
+`attention_kwargs` (which this pack never passes) therefore runs the installed stock forward, as does
+gradient checkpointing.
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ def _interleaved_forward(
     return_dict: bool = True,
     attention_kwargs: dict | None = None,
 ):
-    if torch.is_grad_enabled() and self.gradient_checkpointing:
+    if attention_kwargs is not None or (torch.is_grad_enabled() and self.gradient_checkpointing):
         return getattr(self, _STOCK_FORWARD)(
             hidden_states,
             timestep,

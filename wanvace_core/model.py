@@ -162,9 +162,14 @@ class WanVACEModel:
                 self._prompt_cache.move_to_end(text)
                 return cached
         self.activate("text_encoder")
-        embeds = self.helper._get_t5_prompt_embeds(
-            prompt=text, max_sequence_length=self.max_sequence_length, device=self.device
-        ).to(self.transformer_dtype)
+        embeds, _ = self.helper.encode_prompt(
+            prompt=text,
+            negative_prompt=None,
+            do_classifier_free_guidance=False,
+            max_sequence_length=self.max_sequence_length,
+            device=self.device,
+        )
+        embeds = embeds.to(self.transformer_dtype)
         with self._lock:
             self._prompt_cache[text] = embeds
             while len(self._prompt_cache) > _PROMPT_CACHE_SIZE:

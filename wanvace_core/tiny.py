@@ -8,6 +8,8 @@ unigram model trained on a few sentences.
 from __future__ import annotations
 
 import io
+import json
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,9 +44,9 @@ class TinyModelSpec:
     extra_model_index: dict = field(default_factory=dict)
 
 
-def _train_tokenizer():
+def _train_sentencepiece() -> bytes:
+    """A tiny sentencepiece unigram model (the bytes of its `.model` file), the same on every run."""
     import sentencepiece as spm
-    from transformers import T5TokenizerFast
 
     model_bytes = io.BytesIO()
     spm.SentencePieceTrainer.train(
@@ -60,11 +62,70 @@ def _train_tokenizer():
         eos_piece="</s>",
         unk_piece="<unk>",
         hard_vocab_limit=False,
+        num_threads=1,
         minloglevel=2,
     )
-    processor = spm.SentencePieceProcessor(model_proto=model_bytes.getvalue())
+    return model_bytes.getvalue()
+
+
+def write_tokenizer_files(folder: str | Path) -> Path:
+    """Writes a T5 tokenizer folder (`spiece.model`, `tokenizer.json`, `tokenizer_config.json`) and returns it.
+
+    The `tokenizer.json` is built here with the pipeline transformers 5's `T5Tokenizer` rebuilds from any
+    tokenizer.json (the file's charsmap normalizer and vocabulary, WhitespaceSplit + Metaspace "always",
+    `$A </s>`), so transformers 4's `T5TokenizerFast`, which uses the file as it is, and transformers 5
+    tokenize identically. Neither version can build a T5 tokenizer from a vocabulary list alone in the same way:
+    4.x wants a `.model` file, and converts one with another pre-tokenizer (Metaspace "never") than 5.x.
+    """
+    from sentencepiece import SentencePieceProcessor, sentencepiece_model_pb2
+    from tokenizers import AddedToken, Tokenizer, decoders, normalizers, pre_tokenizers, processors
+    from tokenizers.models import Unigram
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    model_bytes = _train_sentencepiece()
+    (folder / "spiece.model").write_bytes(model_bytes)
+    processor = SentencePieceProcessor(model_proto=model_bytes)
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(model_bytes)
     vocab = [(processor.id_to_piece(i), processor.get_score(i)) for i in range(processor.get_piece_size())]
-    return T5TokenizerFast(vocab=vocab, extra_ids=0)
+    specials = {"pad_token": "<pad>", "eos_token": "</s>", "unk_token": "<unk>"}
+    assert [piece for piece, _score in vocab[:3]] == ["<pad>", "</s>", "<unk>"]
+
+    backend = Tokenizer(Unigram(vocab, unk_id=2, byte_fallback=False))
+    backend.normalizer = normalizers.Precompiled(proto.normalizer_spec.precompiled_charsmap)
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.WhitespaceSplit(),
+            pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always", split=True),
+        ]
+    )
+    backend.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always", split=True)
+    backend.post_processor = processors.TemplateProcessing(
+        single=["$A", "</s>"], pair=["$A", "</s>", "$B", "</s>"], special_tokens=[("</s>", 1)]
+    )
+    backend.add_special_tokens([AddedToken(token, normalized=False, special=True) for token in specials.values()])
+    backend.save(str(folder / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "T5Tokenizer",
+        "extra_ids": 0,
+        "additional_special_tokens": [],
+        "model_max_length": 512,
+        "clean_up_tokenization_spaces": False,
+        **specials,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return folder
+
+
+def _build_tokenizer():
+    import tempfile
+
+    from transformers import T5TokenizerFast
+
+    with tempfile.TemporaryDirectory() as folder:
+        # Read through from_pretrained, the same path the loader takes, so it is what a saved folder gives.
+        return T5TokenizerFast.from_pretrained(write_tokenizer_files(folder))
 
 
 def build_tiny_components(spec: TinyModelSpec = TinyModelSpec()) -> dict:
@@ -72,7 +133,7 @@ def build_tiny_components(spec: TinyModelSpec = TinyModelSpec()) -> dict:
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanVACETransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
-    tokenizer = _train_tokenizer()
+    tokenizer = _build_tokenizer()
     with torch.random.fork_rng():
         torch.manual_seed(spec.seed)
         text_encoder = UMT5EncoderModel(
@@ -148,13 +209,17 @@ def write_tiny_pipeline(folder: str | Path, spec: TinyModelSpec = TinyModelSpec(
     folder = Path(folder)
     pipeline = WanVACEPipeline(**build_tiny_components(spec))
     pipeline.save_pretrained(folder, safe_serialization=True)
-    if spec.extra_model_index:
-        import json
-
-        index_path = folder / "model_index.json"
-        index = json.loads(index_path.read_text())
-        index.update(spec.extra_model_index)
-        index_path.write_text(json.dumps(index, indent=2))
+    # The tokenizer folder as the real Wan repositories ship it (spiece.model, tokenizer.json, class
+    # T5TokenizerFast), the same bytes under transformers 4 and 5. transformers 5's own save would write no
+    # spiece.model, a tokenizer_config.json transformers 4 cannot read, and class T5Tokenizer, which is
+    # the sentencepiece tokenizer (another pre-tokenization) in transformers 4.
+    shutil.rmtree(folder / "tokenizer")
+    write_tokenizer_files(folder / "tokenizer")
+    index_path = folder / "model_index.json"
+    index = json.loads(index_path.read_text())
+    index["tokenizer"] = ["transformers", "T5TokenizerFast"]
+    index.update(spec.extra_model_index)
+    index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return folder
 
 

@@ -17,7 +17,6 @@ API_DIR = Path(__file__).resolve().parents[1] / "api_workflows"
 RELEASED = "WanVACE released"
 
 
-
 def _workflow(seed: int, prefix: str) -> dict:
     """Our T2V workflow, then a core VAE round trip of its frames in the same prompt.
 
