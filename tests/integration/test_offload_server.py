@@ -17,6 +17,7 @@ pytestmark = pytest.mark.integration
 API_DIR = Path(__file__).resolve().parents[1] / "api_workflows"
 RELEASED = "WanVACE released"
 RELOADED = "Reloaded WanVACE weights"
+REUSED = "WanVACE: reusing the loaded"
 
 
 def _workflow(seed: int, prefix: str, offload: dict | None) -> dict:
@@ -55,9 +56,13 @@ def _latent(server, workflow) -> torch.Tensor:
 def test_offload_modes_match_no_offload_and_obey_comfyui_unload(offload, comfy_server):
     mode = "none" if offload is None else offload["mode"]
     plain = _latent(comfy_server, _workflow(61, f"offload_{mode}/plain", None))
+    log_start = len(comfy_server.log_text())
     first_workflow = _workflow(61, f"offload_{mode}/first", offload)
     first = _latent(comfy_server, first_workflow)
     assert torch.equal(first, plain)
+    if offload is not None:
+        # Only the offload options changed: the loader re-attached to the weights already in memory.
+        assert REUSED in comfy_server.log_text()[log_start:]
 
     log_start = len(comfy_server.log_text())
     # Woken by the same prompt, ComfyUI keeps the loaded model in its cache: it is our memory it unloads.
