@@ -105,6 +105,7 @@ class WanVACEModelLoader(io.ComfyNode):
                 "WanVACE offload mode %r on a CPU-only ComfyUI only adds copying; use mode 'none' there.", options.mode
             )
         model = _reusable(folder, dtype, device)
+        _last.clear()  # a pipeline of other files, or another dtype, must not stay held beside this one
         if model is not None:
             # Only the offload options changed: re-attach to the weights in memory instead of re-reading them.
             attach_offload(model, options)
@@ -115,18 +116,23 @@ class WanVACEModelLoader(io.ComfyNode):
             model = load_pipeline(folder, dtype, device, offload=options)
             _loaded[(folder, dtype, str(device))] = model
         cooperate(model, device)
+        _last[:] = [model]
         return io.NodeOutput(model)
 
 
-# Pipelines this process has loaded and that something (ComfyUI's cache) still holds, by folder, dtype and
-# device: loading the same weights again with other offload options re-attaches instead of re-reading.
+# Pipelines this process has loaded and that something still holds, by folder, dtype and device: loading
+# the same weights again with other offload options re-attaches instead of re-reading them.
 _loaded: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+# ComfyUI drops a loader's cached output before it runs the loader again with changed inputs, so the last
+# pipeline is also held here until another one is loaded. ComfyUI's unloads still free its device memory (in
+# mode none its weights are dropped, so holding it costs only its small buffers).
+_last: list[WanVACEModel] = []
 
 
 def _reusable(folder: str, dtype: str, device) -> WanVACEModel | None:
     model = _loaded.get((folder, dtype, str(device)))
     if model is None or model.weights.stamps != file_stamps(inspect_pipeline_folder(folder, check_weights=False)):
-        return None  # never loaded, dropped by ComfyUI's cache, or the files changed since
+        return None  # never loaded, no longer held, or the files changed since
     return model
 
 

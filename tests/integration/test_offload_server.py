@@ -56,13 +56,9 @@ def _latent(server, workflow) -> torch.Tensor:
 def test_offload_modes_match_no_offload_and_obey_comfyui_unload(offload, comfy_server):
     mode = "none" if offload is None else offload["mode"]
     plain = _latent(comfy_server, _workflow(61, f"offload_{mode}/plain", None))
-    log_start = len(comfy_server.log_text())
     first_workflow = _workflow(61, f"offload_{mode}/first", offload)
     first = _latent(comfy_server, first_workflow)
     assert torch.equal(first, plain)
-    if offload is not None:
-        # Only the offload options changed: the loader re-attached to the weights already in memory.
-        assert REUSED in comfy_server.log_text()[log_start:]
 
     log_start = len(comfy_server.log_text())
     # Woken by the same prompt, ComfyUI keeps the loaded model in its cache: it is our memory it unloads.
@@ -90,3 +86,19 @@ def test_invalid_offload_options_are_refused_at_queue_time(comfy_server):
     result = comfy_server.run_prompt(workflow)
     assert result.status == "rejected"
     assert "mode='sequential'" in json.dumps(result.node_errors["600"])
+
+
+def test_changing_only_the_offload_options_reattaches_to_the_loaded_weights(comfy_server):
+    def fp32(workflow: dict) -> dict:
+        for node in workflow.values():
+            if node["class_type"] == "WanVACEModelLoader":
+                node["inputs"]["dtype"] = "fp32"  # a dtype no other test loads: this loader really runs
+        return workflow
+
+    plain = _latent(comfy_server, fp32(_workflow(64, "reattach/none", None)))
+    for mode in ("model", "layerwise"):
+        log_start = len(comfy_server.log_text())
+        options = {"mode": mode, "prefetch_blocks": 1, "max_pinned_mb": 0}
+        assert torch.equal(_latent(comfy_server, fp32(_workflow(64, f"reattach/{mode}", options))), plain)
+        log = comfy_server.log_text()[log_start:]
+        assert REUSED in log and "Loaded WanVACE pipeline" not in log, log
