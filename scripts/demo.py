@@ -3,8 +3,8 @@
     .venvs/current/bin/python scripts/demo.py [--task t2v|i2v|flf2v|r2v|v2v|inpaint|outpaint|extension]
 
 The ComfyUI base folder is .cache/demo (models, inputs, outputs, server.log); the tiny model is
-written there on first use. The workflow is the API twin of workflows/wanvace_<task>.json, sized
-down for the tiny model.
+written there on first use. The workflow is tests/api_workflows/wanvace_<task>.json, the API twin
+of the shipped workflows/WanVACE - <Task>.json, sized down for the tiny model.
 """
 
 from __future__ import annotations
