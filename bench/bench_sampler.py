@@ -55,7 +55,7 @@ def main() -> None:
         folder = write_tiny_pipeline(Path(tmp) / "bench-model", spec)
         ours = load_pipeline(folder, args.dtype)
         torch_dtype = ours.dtype
-        theirs = WanVACEPipeline.from_pretrained(folder, dtype=torch_dtype)
+        theirs = WanVACEPipeline.from_pretrained(folder, torch_dtype=torch_dtype)
         theirs.set_progress_bar_config(disable=True)
         control = torch.rand(args.length, args.height, args.width, 3, generator=torch.Generator().manual_seed(0))
         inputs = VACEInputs(PROMPT, NEGATIVE, args.width, args.height, args.length, control_video=control)

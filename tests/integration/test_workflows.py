@@ -98,7 +98,9 @@ def test_server_latents_equal_diffusers_pipeline(comfy_server, comfy_base):
     served = _saved_latent(result)
 
     conditioning = nodes_of_type(workflow, "WanVACEConditioning")[0]["inputs"]
-    pipeline = WanVACEPipeline.from_pretrained(comfy_base / "models" / "diffusers" / TINY_MODEL, dtype=torch.bfloat16)
+    pipeline = WanVACEPipeline.from_pretrained(
+        comfy_base / "models" / "diffusers" / TINY_MODEL, torch_dtype=torch.bfloat16
+    )
     pipeline.set_progress_bar_config(disable=True)
     latents = pipeline(
         prompt=conditioning["positive"],
