@@ -115,8 +115,8 @@ class WanVACEModelLoader(io.ComfyNode):
                 make_room_before_loading(device, _weight_file_bytes(folder))
             model = load_pipeline(folder, dtype, device, offload=options)
             _loaded[(folder, dtype, str(device))] = model
-        cooperate(model, device)
         _last[:] = [model]
+        cooperate(model, device).on_unload = _last.clear
         return io.NodeOutput(model)
 
 
@@ -124,8 +124,8 @@ class WanVACEModelLoader(io.ComfyNode):
 # the same weights again with other offload options re-attaches instead of re-reading them.
 _loaded: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 # ComfyUI drops a loader's cached output before it runs the loader again with changed inputs, so the last
-# pipeline is also held here until another one is loaded. ComfyUI's unloads still free its device memory (in
-# mode none its weights are dropped, so holding it costs only its small buffers).
+# pipeline is also held here, until another one is loaded or ComfyUI unloads it ("Unload models", "Free model
+# and node cache", memory pressure): then only ComfyUI's cache decides how long it lives, as for its own models.
 _last: list[WanVACEModel] = []
 
 

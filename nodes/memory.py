@@ -39,6 +39,7 @@ class WanVACEPatcher(comfy.model_patcher.ModelPatcher):
         super().__init__(WanVACE(), load_device=load_device, offload_device=torch.device("cpu"))
         self._wanvace = weakref.ref(model)  # the pipeline owns its patcher, not the other way round
         self.incoming_bytes = 0
+        self.on_unload = None  # called after ComfyUI unloaded us (the loader then lets go of the pipeline)
 
     def _held(self) -> int:
         model = self._wanvace()
@@ -75,6 +76,8 @@ class WanVACEPatcher(comfy.model_patcher.ModelPatcher):
         released = model.release_device_memory()
         megabytes = released / 2**20
         logger.info("WanVACE released %d bytes (%.1f MB) of device memory at ComfyUI's request", released, megabytes)
+        if self.on_unload is not None:
+            self.on_unload()
         return released
 
     def clone(self, *args, **kwargs):
