@@ -115,7 +115,10 @@ def _out(node_id: str, slot: int = 0) -> list:
     return [node_id, slot]
 
 
-def _scaled_image(graph: _Graph, file: str, title: str, group: str, column: int) -> str:
+def _scaled_image(
+    graph: _Graph, file: str, title: str, group: str, column: int, scale_column: int | None = None
+) -> str:
+    """LoadImage, then ImageScale to the video size one column on (or in `scale_column`)."""
     loaded = graph.add("LoadImage", title, image=file, at=(group, column))
     return graph.add(
         "ImageScale",
@@ -124,7 +127,7 @@ def _scaled_image(graph: _Graph, file: str, title: str, group: str, column: int)
         width=WIDTH,
         height=HEIGHT,
         crop="center",
-        at=(group, column + 1),
+        at=(group, column + 1 if scale_column is None else scale_column),
     )
 
 
@@ -213,26 +216,8 @@ def _build(name: str) -> _Graph:
         optional["control_video"] = _out(_scaled_image(graph, EXAMPLE_INPUTS["first"], "first frame", "inputs", 0))
         optional["control_masks"] = _out(_keep_mask(graph, "inputs", 1))
     elif task == "flf2v":
-        first = graph.add("LoadImage", "first frame", image=EXAMPLE_INPUTS["first"], at=("inputs", 0))
-        first = graph.add(
-            "ImageScale",
-            image=_out(first),
-            upscale_method="lanczos",
-            width=WIDTH,
-            height=HEIGHT,
-            crop="center",
-            at=("inputs", 2),
-        )
-        last = graph.add("LoadImage", "last frame", image=EXAMPLE_INPUTS["last"], at=("inputs", 1))
-        last = graph.add(
-            "ImageScale",
-            image=_out(last),
-            upscale_method="lanczos",
-            width=WIDTH,
-            height=HEIGHT,
-            crop="center",
-            at=("inputs", 2),
-        )
+        first = _scaled_image(graph, EXAMPLE_INPUTS["first"], "first frame", "inputs", 0, scale_column=2)
+        last = _scaled_image(graph, EXAMPLE_INPUTS["last"], "last frame", "inputs", 1, scale_column=2)
         grey = graph.add(
             "EmptyImage",
             "frames to generate",

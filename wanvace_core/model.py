@@ -46,7 +46,6 @@ class WanVACEModel:
     _prompt_cache: OrderedDict = field(default_factory=OrderedDict, repr=False)
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
     _helper: object = field(default=None, repr=False)
-    offload_options: object = None  # the OffloadOptions the residency was made for
     _residency: Residency | None = field(default=None, repr=False)
     _close_residency: weakref.finalize | None = field(default=None, repr=False)
 

@@ -154,9 +154,9 @@ def tensor_bytes(modules: Iterable[torch.nn.Module], buffers: bool = True) -> in
     return sum(t.numel() * t.element_size() for t in _unique_tensors(modules, buffers) if not t.is_meta)
 
 
-def loaded_parameter_bytes(modules: Iterable[torch.nn.Module]) -> int:
-    """Bytes the parameters of `modules` take once loaded (meta placeholders counted at full size)."""
-    return sum(t.numel() * t.element_size() for t in _unique_tensors(modules, buffers=False))
+def loaded_bytes(modules: Iterable[torch.nn.Module], buffers: bool = True) -> int:
+    """Bytes the tensors of `modules` take once loaded (dropped, meta parameters counted at full size)."""
+    return sum(t.numel() * t.element_size() for t in _unique_tensors(modules, buffers))
 
 
 def drop_weights(module: torch.nn.Module) -> None:
@@ -169,6 +169,11 @@ def drop_weights(module: torch.nn.Module) -> None:
         owner_name, _, attr = name.rpartition(".")
         owner = module.get_submodule(owner_name) if owner_name else module
         owner._parameters[attr] = placeholders[id(param)]
+
+
+def _on(tensor: torch.Tensor, device: torch.device) -> bool:
+    """Whether `tensor` is on `device`; a device without an index ("cuda") means its current one."""
+    return tensor.device.type == device.type and device.index in (None, tensor.device.index)
 
 
 def _is_dropped(module: torch.nn.Module) -> bool:
@@ -193,6 +198,8 @@ class OnDevice(Residency):
         self.components = {name: module for name, module in components.items() if module is not None}
         self.weights = weights
         self.device = torch.device(device)
+        # Components known to be loaded on the device: each expert forward activates, so this stays a lookup.
+        self._placed: set[str] = set()
         # Re-entrant: the broker (ComfyUI) may call release_all while activate asks it for room.
         self._lock = threading.RLock()
         self._hooks = _activate_experts_on_forward(self, self.components)
@@ -202,21 +209,24 @@ class OnDevice(Residency):
         return {name for name, module in self.components.items() if _is_dropped(module)}
 
     def activate(self, name: str) -> None:
+        if name in self._placed:
+            return
         with self._lock:
             module = self.components.get(name)
             if module is None:
                 return
             if _is_dropped(module):
-                self._reserve(loaded_parameter_bytes([module]))
+                self._reserve(loaded_bytes([module], buffers=False))
                 try:
                     self.weights.refill(name, module, self.device)
                 except BaseException:
                     drop_weights(module)  # half-read: hold nothing that no release would find
                     raise
-            elif any(tensor.device != self.device for tensor in module.parameters()):
+            elif any(not _on(tensor, self.device) for tensor in module.parameters()):
                 # Attached after an offload mode: the weights are in host memory and move over once.
                 self._reserve(tensor_bytes([module]))
                 module.to(self.device)
+            self._placed.add(name)
 
     def settle(self) -> None:
         pass  # resting state: everything on the device
@@ -226,14 +236,14 @@ class OnDevice(Residency):
             held = self.device_bytes()
             for module in self.components.values():
                 drop_weights(module)
+            self._placed.clear()
             return held - self.device_bytes()
 
     def device_bytes(self) -> int:
         return tensor_bytes(self.components.values())
 
     def planned_bytes(self, name: str | None = None) -> int:
-        buffers = {id(b): b for module in self.components.values() for b in module.buffers()}.values()
-        return loaded_parameter_bytes(self.components.values()) + sum(b.numel() * b.element_size() for b in buffers)
+        return loaded_bytes(self.components.values())
 
     def close(self) -> None:
         for handle in self._hooks:

@@ -28,7 +28,6 @@ def compose(
     model.residency = make_residency(
         options, model.components, model.weights, model.device, transfer, stream_ops=stream_ops
     )
-    model.offload_options = options
 
 
 def attach_offload(
