@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from .tokenizer import t5_tokenizer_from_sentencepiece, write_t5_tokenizer
+
 _TOKENIZER_CORPUS = (
     "a cat walks on the grass in the morning light",
     "a bird flies over the sea at sunset, the camera follows it",
@@ -37,14 +39,29 @@ class TinyModelSpec:
     ffn_dim: int = 64
     text_dim: int = 32
     text_layers: int = 2
+    text_max_distance: int = 32
     vae_base_dim: int = 8
+    vae_dim_mult: tuple[int, ...] = (1, 1, 1, 1)
+    vae_num_res_blocks: int = 1
     boundary_ratio: float = 0.875
     flow_shift: float = 3.0
     seed: int = 0
     extra_model_index: dict = field(default_factory=dict)
 
 
-def _train_sentencepiece() -> bytes:
+# Shaped as ComfyUI infers a Wan model from its keys (head dim 128, text dim 4096, a 2.1 VAE with
+# dim_mult [1, 2, 4, 4] and 2 residual blocks, umt5's relative-attention distance 128), so ComfyUI's own
+# loaders accept the single files written from it.
+COMFY_SHAPED = TinyModelSpec(
+    attention_head_dim=128,
+    text_dim=4096,
+    text_max_distance=128,
+    vae_dim_mult=(1, 2, 4, 4),
+    vae_num_res_blocks=2,
+)
+
+
+def sentencepiece_model_bytes() -> bytes:
     """A tiny sentencepiece unigram model (the bytes of its `.model` file), the same on every run."""
     import sentencepiece as spm
 
@@ -69,63 +86,12 @@ def _train_sentencepiece() -> bytes:
 
 
 def write_tokenizer_files(folder: str | Path) -> Path:
-    """Writes a T5 tokenizer folder (`spiece.model`, `tokenizer.json`, `tokenizer_config.json`) and returns it.
-
-    The `tokenizer.json` is built here with the pipeline transformers 5's `T5Tokenizer` rebuilds from any
-    tokenizer.json (the file's charsmap normalizer and vocabulary, WhitespaceSplit + Metaspace "always",
-    `$A </s>`), so transformers 4's `T5TokenizerFast`, which uses the file as it is, and transformers 5
-    tokenize identically. Neither version can build a T5 tokenizer from a vocabulary list alone in the same way:
-    4.x wants a `.model` file, and converts one with another pre-tokenizer (Metaspace "never") than 5.x.
-    """
-    from sentencepiece import SentencePieceProcessor, sentencepiece_model_pb2
-    from tokenizers import AddedToken, Tokenizer, decoders, normalizers, pre_tokenizers, processors
-    from tokenizers.models import Unigram
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    model_bytes = _train_sentencepiece()
-    (folder / "spiece.model").write_bytes(model_bytes)
-    processor = SentencePieceProcessor(model_proto=model_bytes)
-    proto = sentencepiece_model_pb2.ModelProto()
-    proto.ParseFromString(model_bytes)
-    vocab = [(processor.id_to_piece(i), processor.get_score(i)) for i in range(processor.get_piece_size())]
-    specials = {"pad_token": "<pad>", "eos_token": "</s>", "unk_token": "<unk>"}
-    assert [piece for piece, _score in vocab[:3]] == ["<pad>", "</s>", "<unk>"]
-
-    backend = Tokenizer(Unigram(vocab, unk_id=2, byte_fallback=False))
-    backend.normalizer = normalizers.Precompiled(proto.normalizer_spec.precompiled_charsmap)
-    backend.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.WhitespaceSplit(),
-            pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always", split=True),
-        ]
-    )
-    backend.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always", split=True)
-    backend.post_processor = processors.TemplateProcessing(
-        single=["$A", "</s>"], pair=["$A", "</s>", "$B", "</s>"], special_tokens=[("</s>", 1)]
-    )
-    backend.add_special_tokens([AddedToken(token, normalized=False, special=True) for token in specials.values()])
-    backend.save(str(folder / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "T5Tokenizer",
-        "extra_ids": 0,
-        "additional_special_tokens": [],
-        "model_max_length": 512,
-        "clean_up_tokenization_spaces": False,
-        **specials,
-    }
-    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return folder
+    """Writes the tiny model's T5 tokenizer folder (`spiece.model`, `tokenizer.json`, `tokenizer_config.json`)."""
+    return write_t5_tokenizer(folder, sentencepiece_model_bytes())
 
 
 def _build_tokenizer():
-    import tempfile
-
-    from transformers import T5TokenizerFast
-
-    with tempfile.TemporaryDirectory() as folder:
-        # Read through from_pretrained, the same path the loader takes, so it is what a saved folder gives.
-        return T5TokenizerFast.from_pretrained(write_tokenizer_files(folder))
+    return t5_tokenizer_from_sentencepiece(sentencepiece_model_bytes())
 
 
 def build_tiny_components(spec: TinyModelSpec = TinyModelSpec()) -> dict:
@@ -145,7 +111,7 @@ def build_tiny_components(spec: TinyModelSpec = TinyModelSpec()) -> dict:
                 num_layers=spec.text_layers,
                 num_heads=2,
                 relative_attention_num_buckets=8,
-                relative_attention_max_distance=32,
+                relative_attention_max_distance=spec.text_max_distance,
                 pad_token_id=tokenizer.pad_token_id,
                 eos_token_id=tokenizer.eos_token_id,
                 decoder_start_token_id=tokenizer.pad_token_id,
@@ -154,8 +120,8 @@ def build_tiny_components(spec: TinyModelSpec = TinyModelSpec()) -> dict:
         vae = AutoencoderKLWan(
             base_dim=spec.vae_base_dim,
             z_dim=16,
-            dim_mult=[1, 1, 1, 1],
-            num_res_blocks=1,
+            dim_mult=list(spec.vae_dim_mult),
+            num_res_blocks=spec.vae_num_res_blocks,
             temperal_downsample=[False, True, True],
         ).eval()
 
