@@ -6,6 +6,7 @@ from .cache import WanVACECacheOptions
 from .conditioning import WanVACEConditioning
 from .decode import WanVACEDecode
 from .examples import install_example_inputs
+from .experts_loader import WanVACEExpertsLoader
 from .loader import WanVACEModelLoader
 from .offload import WanVACEOffloadOptions
 from .sampler import WanVACESampler
@@ -21,6 +22,7 @@ class WanVACEExtension(ComfyExtension):
         install_example_inputs()
         return [
             WanVACEModelLoader,
+            WanVACEExpertsLoader,
             WanVACEConditioning,
             WanVACESampler,
             WanVACEDecode,

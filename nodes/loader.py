@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import weakref
 
 import comfy.model_management
 import folder_paths
@@ -13,7 +12,6 @@ from comfy_api.latest import io
 from ..wanvace_core import (
     DTYPES,
     OffloadOptions,
-    WanVACEModel,
     WanVACEModelFolderError,
     attach_offload,
     find_pipeline_folders,
@@ -21,6 +19,7 @@ from ..wanvace_core import (
     load_pipeline,
 )
 from ..wanvace_core.loading import file_stamps
+from .held import forget_last, hold, reusable
 from .memory import cooperate, make_room_before_loading
 from .types import CATEGORY, WanVACEModelType, WanVACEOffloadType
 
@@ -104,8 +103,9 @@ class WanVACEModelLoader(io.ComfyNode):
             logger.warning(
                 "WanVACE offload mode %r on a CPU-only ComfyUI only adds copying; use mode 'none' there.", options.mode
             )
-        model = _reusable(folder, dtype, device)
-        _last.clear()  # a pipeline of other files, or another dtype, must not stay held beside this one
+        key = ("folder", folder, dtype, str(device))
+        model = reusable(key, file_stamps(inspect_pipeline_folder(folder, check_weights=False)))
+        forget_last()  # a pipeline of other files, or another dtype, must not stay held beside this one
         if model is not None:
             # Only the offload options changed: re-attach to the weights in memory instead of re-reading them.
             attach_offload(model, options)
@@ -114,26 +114,9 @@ class WanVACEModelLoader(io.ComfyNode):
             if options.mode == "none":
                 make_room_before_loading(device, _weight_file_bytes(folder))
             model = load_pipeline(folder, dtype, device, offload=options)
-            _loaded[(folder, dtype, str(device))] = model
-        _last[:] = [model]
-        cooperate(model, device).on_unload = _last.clear
+        hold(key, model)
+        cooperate(model, device).on_unload = forget_last
         return io.NodeOutput(model)
-
-
-# Pipelines this process has loaded and that something still holds, by folder, dtype and device: loading
-# the same weights again with other offload options re-attaches instead of re-reading them.
-_loaded: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-# ComfyUI drops a loader's cached output before it runs the loader again with changed inputs, so the last
-# pipeline is also held here, until another one is loaded or ComfyUI unloads it ("Unload models", "Free model
-# and node cache", memory pressure): then only ComfyUI's cache decides how long it lives, as for its own models.
-_last: list[WanVACEModel] = []
-
-
-def _reusable(folder: str, dtype: str, device) -> WanVACEModel | None:
-    model = _loaded.get((folder, dtype, str(device)))
-    if model is None or model.weights.stamps != file_stamps(inspect_pipeline_folder(folder, check_weights=False)):
-        return None  # never loaded, no longer held, or the files changed since
-    return model
 
 
 def _weight_file_bytes(folder: str) -> int:

@@ -17,16 +17,19 @@ from .model import WanVACEModel
 from .offload import OFFLOAD_MODES, DeviceMemoryBroker, OffloadOptions, Residency
 from .runtime import attach_offload
 from .sampling import SCHEDULERS, SampleResult, SamplerSettings, sample
+from .single_file import WEIGHT_DTYPES, ExpertFiles, inspect_expert_files, load_expert_files
 
 __all__ = [
     "CACHE_MODES",
     "DTYPES",
     "OFFLOAD_MODES",
     "SCHEDULERS",
+    "WEIGHT_DTYPES",
     "CacheOptions",
     "CacheReport",
     "DeviceMemoryBroker",
     "ExpertCacheLimits",
+    "ExpertFiles",
     "OffloadOptions",
     "Residency",
     "SampleResult",
@@ -41,7 +44,9 @@ __all__ = [
     "attach_offload",
     "decode",
     "find_pipeline_folders",
+    "inspect_expert_files",
     "inspect_pipeline_folder",
+    "load_expert_files",
     "load_pipeline",
     "prepare_conditioning",
     "sample",

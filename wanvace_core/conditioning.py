@@ -5,6 +5,10 @@ Given frames cover the start of the video; the rest is padded with mid-grey and 
 "generate", as ComfyUI's own WanVaceToVideo does. A single mask frame applies to every given
 frame. Masks are 1 where the model generates and 0 where it keeps the given pixels. With frames
 but no mask, the frames are a control signal (depth, pose, ...) for the whole video.
+
+A prompt may also arrive already encoded (`TextEmbeddings`, e.g. from ComfyUI's CLIPLoader(type wan) +
+CLIPTextEncode); `prompt_embeds_from_text_embeddings` turns it into the prompt embeddings diffusers'
+WanVACEPipeline builds from text: the real tokens' hidden states, then zero rows up to 512.
 """
 
 from __future__ import annotations
@@ -18,11 +22,31 @@ from .model import WanVACEModel
 from .validation import validate_finite, validate_integer
 
 _PAD_GREY = 0.5
+# The node inputs that carry an encoded prompt; refusals name them.
+POSITIVE_EMBEDS_INPUT = "positive_conditioning"
+NEGATIVE_EMBEDS_INPUT = "negative_conditioning"
+_TEXT_ENCODER_FIX = "load umt5_xxl (umt5_xxl_fp8_e4m3fn_scaled or _fp16) with CLIPLoader type wan and encode with CLIPTextEncode"
+
+
+@dataclass(frozen=True)
+class TextEmbeddings:
+    """One prompt already run through a umt5 text encoder elsewhere (ComfyUI's CLIPTextEncode).
+
+    `hidden_states` is `[1, tokens, dim]`. `attention_mask` (`[1, tokens]` or `[tokens]`, 1 = real token) is
+    optional: ComfyUI's Wan text encoder reports none and zeroes the padded rows instead.
+    """
+
+    hidden_states: torch.Tensor
+    attention_mask: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
 class VACEInputs:
-    """What the user asked for, in ComfyUI's tensor layout."""
+    """What the user asked for, in ComfyUI's tensor layout.
+
+    `positive_embeds` / `negative_embeds`, when given, replace the `positive` / `negative` text (which may
+    then be empty).
+    """
 
     positive: str
     negative: str
@@ -33,6 +57,8 @@ class VACEInputs:
     control_video: torch.Tensor | None = None
     control_masks: torch.Tensor | None = None
     reference_images: torch.Tensor | None = None
+    positive_embeds: TextEmbeddings | None = None
+    negative_embeds: TextEmbeddings | None = None
 
 
 @dataclass(frozen=True)
@@ -67,11 +93,89 @@ def validate_generation_size(
         )
 
 
-def validate_prompt(positive: str) -> None:
+def validate_prompt(positive: str, has_embeddings: bool = False) -> None:
+    """The positive text must say something, unless an encoded prompt (`has_embeddings`) replaces it."""
     if not isinstance(positive, str):
         raise WanVACEInputError(f"positive={positive!r} is not a string; describe the video you want in text.")
-    if not positive.strip():
-        raise WanVACEInputError("positive prompt is empty; describe the video you want (the model needs text).")
+    if not has_embeddings and not positive.strip():
+        raise WanVACEInputError(
+            f"positive prompt is empty and {POSITIVE_EMBEDS_INPUT} is not connected; describe the video you want "
+            f"in positive, or connect a CLIPTextEncode output to {POSITIVE_EMBEDS_INPUT}."
+        )
+
+
+def _real_token_rows(name: str, embeds: TextEmbeddings, text_dim: int | None, max_sequence_length: int):
+    """Validates an encoded prompt; returns the hidden states of its real tokens, `[tokens, dim]`."""
+    if not isinstance(embeds, TextEmbeddings):
+        raise WanVACEInputError(
+            f"{name}={type(embeds).__name__} is not an encoded prompt; connect a CLIPTextEncode output."
+        )
+    hidden = embeds.hidden_states
+    if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point() or hidden.ndim != 3:
+        shape = tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
+        raise WanVACEInputError(
+            f"{name} holds {shape}, not text-encoder hidden states [1, tokens, width]; connect a CLIPTextEncode "
+            "output."
+        )
+    batch, tokens, width = hidden.shape
+    if batch != 1:
+        raise WanVACEInputError(
+            f"{name} holds a batch of {batch} prompts; WanVACE takes one prompt per input: encode one prompt with "
+            "one CLIPTextEncode."
+        )
+    if text_dim is not None and width != text_dim:
+        raise WanVACEInputError(
+            f"{name} is {width} wide but this model needs {text_dim}-wide umt5 embeddings; {_TEXT_ENCODER_FIX}."
+        )
+    if not bool(torch.isfinite(hidden).all()):
+        raise WanVACEInputError(f"{name} holds NaN or infinite values; encode the prompt again ({_TEXT_ENCODER_FIX}).")
+    rows = hidden[0]
+    if embeds.attention_mask is None:
+        # ComfyUI's Wan encoder pads to at least 512 tokens and zeroes the padded rows (sd1_clip zero_out_masked);
+        # a real token's hidden state (a final RMS norm's output) is never all zero.
+        nonzero = rows.ne(0).any(dim=-1).nonzero()
+        rows = rows[: int(nonzero[-1]) + 1 if len(nonzero) else 0]
+    else:
+        mask = embeds.attention_mask
+        if not isinstance(mask, torch.Tensor) or mask.reshape(-1).shape[0] != tokens or mask.ndim > 2:
+            shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+            raise WanVACEInputError(
+                f"{name} has an attention_mask of {shape} for {tokens} tokens; it must be [1, {tokens}] (1 = real "
+                "token). Encode the prompt again with CLIPTextEncode."
+            )
+        rows = rows[mask.reshape(-1).to(rows.device) > 0]
+    if rows.shape[0] > max_sequence_length:
+        raise WanVACEInputError(
+            f"{name} holds {rows.shape[0]} tokens but Wan reads at most {max_sequence_length} (diffusers cuts longer "
+            "prompts); shorten the prompt."
+        )
+    return rows
+
+
+def validate_text_embeddings(
+    name: str, embeds: TextEmbeddings, text_dim: int | None = None, max_sequence_length: int = 512
+) -> None:
+    """Raises `WanVACEInputError` naming input `name` if `embeds` cannot be this model's prompt embeddings."""
+    _real_token_rows(name, embeds, text_dim, max_sequence_length)
+
+
+def prompt_embeds_from_text_embeddings(
+    name: str,
+    embeds: TextEmbeddings,
+    text_dim: int,
+    max_sequence_length: int = 512,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """An encoded prompt -> `[1, max_sequence_length, text_dim]` as `WanVACEPipeline._get_t5_prompt_embeds` makes.
+
+    diffusers keeps the hidden states of the real tokens (up to and including the end token) and fills the
+    rest with zero rows; ComfyUI keeps its zeroed padding rows (at least 512). The real rows are the same
+    numbers either way, so they are kept, cast to `dtype`, and zero-padded to `max_sequence_length`.
+    """
+    rows = _real_token_rows(name, embeds, text_dim, max_sequence_length).to(device=device, dtype=dtype)
+    padding = rows.new_zeros(max_sequence_length - rows.shape[0], rows.shape[1])
+    return torch.cat([rows, padding])[None]
 
 
 def _check_frames(name: str, tensor: torch.Tensor, width: int, height: int, length: int, channels: bool) -> None:
@@ -91,12 +195,21 @@ def _check_frames(name: str, tensor: torch.Tensor, width: int, height: int, leng
         )
 
 
-def validate_vace_inputs(inputs: VACEInputs, spatial_multiple: int = 16, temporal_stride: int = 4) -> None:
-    """Validates everything before any encoding starts."""
+def validate_vace_inputs(
+    inputs: VACEInputs,
+    spatial_multiple: int = 16,
+    temporal_stride: int = 4,
+    text_dim: int | None = None,
+    max_sequence_length: int = 512,
+) -> None:
+    """Validates everything before any encoding starts (`text_dim` None: encoded prompts' width unchecked)."""
     validate_generation_size(inputs.width, inputs.height, inputs.length, spatial_multiple, temporal_stride)
-    validate_prompt(inputs.positive)
+    validate_prompt(inputs.positive, has_embeddings=inputs.positive_embeds is not None)
     if not isinstance(inputs.negative, str):
         raise WanVACEInputError(f"negative={inputs.negative!r} is not a string; give a text prompt (it may be empty).")
+    for name, embeds in ((POSITIVE_EMBEDS_INPUT, inputs.positive_embeds), (NEGATIVE_EMBEDS_INPUT, inputs.negative_embeds)):
+        if embeds is not None:
+            validate_text_embeddings(name, embeds, text_dim, max_sequence_length)
     strength_fix = "use a value in [0, 10]; 1.0 is the trained value"
     if not 0.0 <= validate_finite("strength", inputs.strength, strength_fix) <= 10.0:
         raise WanVACEInputError(f"strength={inputs.strength} is outside [0, 10]; 1.0 is the trained value.")
@@ -159,13 +272,28 @@ def _reference_canvases(model: WanVACEModel, images: torch.Tensor, height: int, 
     return canvases
 
 
+def _prompt_embeds(model: WanVACEModel, text: str, embeds: TextEmbeddings | None, name: str) -> torch.Tensor:
+    """The text's embeddings from our text encoder, or the already encoded prompt converted to them."""
+    if embeds is None:
+        return model.encode_prompt(text)
+    return prompt_embeds_from_text_embeddings(
+        name,
+        embeds,
+        model.reference_expert.config.text_dim,
+        model.max_sequence_length,
+        dtype=model.transformer_dtype,
+        device=model.device,
+    )
+
+
 @torch.no_grad()
 def prepare_conditioning(model: WanVACEModel, inputs: VACEInputs) -> VACEConditioning:
     """Encodes prompts and VACE inputs exactly as diffusers' WanVACEPipeline does."""
-    validate_vace_inputs(inputs, model.spatial_multiple, model.temporal_stride)
+    text_dim = model.reference_expert.config.text_dim
+    validate_vace_inputs(inputs, model.spatial_multiple, model.temporal_stride, text_dim, model.max_sequence_length)
     pipeline = model.helper
-    prompt_embeds = model.encode_prompt(inputs.positive)
-    negative_prompt_embeds = model.encode_prompt(inputs.negative)
+    prompt_embeds = _prompt_embeds(model, inputs.positive, inputs.positive_embeds, POSITIVE_EMBEDS_INPUT)
+    negative_prompt_embeds = _prompt_embeds(model, inputs.negative, inputs.negative_embeds, NEGATIVE_EMBEDS_INPUT)
 
     frames, masks = full_length_video_and_mask(inputs)
     # Same arithmetic as VideoProcessor.preprocess_video on PIL frames: [0,1] -> [-1,1].

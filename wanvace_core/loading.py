@@ -40,7 +40,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _ALLOWED_LIBRARIES = {"diffusers", "transformers"}
 # Tensors that are cast or moved are read through mapped windows of the file of at most this many bytes.
 _WINDOW_BYTES = 64 * 1024 * 1024
-_SAFETENSORS_DTYPES = {
+SAFETENSORS_DTYPES = {
     name: getattr(torch, attr)
     for name, attr in {
         "F64": "float64",
@@ -79,7 +79,7 @@ def _component_class(model_index: dict, name: str):
         ) from error
 
 
-def _fp32_module_names(module: torch.nn.Module, dtype: torch.dtype) -> set[str]:
+def fp32_module_names(module: torch.nn.Module, dtype: torch.dtype) -> set[str]:
     """Module names the library keeps in fp32 at this dtype, mirroring diffusers/transformers."""
     names: set[str] = set()
     is_transformers_model = type(module).__module__.startswith("transformers")
@@ -105,7 +105,7 @@ def _owner(module: torch.nn.Module, key: str) -> tuple[torch.nn.Module, str]:
     return (module.get_submodule(owner_name) if owner_name else module), attr
 
 
-def _set_tensor(module: torch.nn.Module, key: str, tensor: torch.Tensor) -> None:
+def set_tensor(module: torch.nn.Module, key: str, tensor: torch.Tensor) -> None:
     """Puts `tensor` in place of the (meta) parameter or buffer `key`, keeping the parameter class."""
     owner, attr = _owner(module, key)
     if attr in owner._parameters:
@@ -115,14 +115,25 @@ def _set_tensor(module: torch.nn.Module, key: str, tensor: torch.Tensor) -> None
         owner._buffers[attr] = tensor
 
 
-def _stream_into(fileno: int, offset: int, nbytes: int, source_dtype: torch.dtype, target: torch.Tensor) -> None:
+def stream_into(
+    fileno: int,
+    offset: int,
+    nbytes: int,
+    source_dtype: torch.dtype,
+    target: torch.Tensor,
+    transform=None,
+    unit_bytes: int | None = None,
+    unit_elements: int = 1,
+) -> None:
     """Casts the `nbytes` at `offset` of the file into `target` (any dtype, device), one mapped window at a time.
 
     Each window of at most `_WINDOW_BYTES` is mapped copy-on-write (never written), cast into its place in
-    `target` and unmapped again, so the file's pages never pile up in this process's RSS.
+    `target` and unmapped again, so the file's pages never pile up in this process's RSS. `transform` turns a
+    window's stored values into target values (dequantisation): every `unit_bytes` stored bytes (default one
+    element) become `unit_elements` target elements, and windows hold whole units.
     """
     flat = target.view(-1)
-    itemsize = source_dtype.itemsize
+    itemsize = unit_bytes or source_dtype.itemsize
     window = _WINDOW_BYTES - _WINDOW_BYTES % itemsize
     done = 0
     while done < nbytes:
@@ -131,10 +142,13 @@ def _stream_into(fileno: int, offset: int, nbytes: int, source_dtype: torch.dtyp
         map_start = start - start % mmap.ALLOCATIONGRANULARITY
         mapped = mmap.mmap(fileno, start + size - map_start, offset=map_start, access=mmap.ACCESS_COPY)
         try:
-            source = torch.frombuffer(mapped, dtype=source_dtype, count=size // itemsize, offset=start - map_start)
+            count = size // source_dtype.itemsize
+            source = torch.frombuffer(mapped, dtype=source_dtype, count=count, offset=start - map_start)
             try:
-                first = done // itemsize
-                flat[first : first + source.numel()].copy_(source)
+                values = source if transform is None else transform(source)
+                first = done // itemsize * unit_elements
+                flat[first : first + values.numel()].copy_(values.reshape(-1))
+                del values
             finally:
                 del source  # the mapping can only be closed once no tensor views it
         finally:
@@ -156,7 +170,7 @@ def _load_file(module, path: Path, cls, placeholders: dict, fp32_names: set[str]
     try:
         with open(path, "rb", buffering=0) as handle:
             for key, entry in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
-                source_dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
+                source_dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
                 if source_dtype is None:
                     raise WanVACEModelFolderError(
                         f"{path} stores '{key}' as {entry['dtype']}, which is not supported; convert it to BF16, "
@@ -188,8 +202,8 @@ def _load_file(module, path: Path, cls, placeholders: dict, fp32_names: set[str]
                     # windows of the file, so neither a copy in the file's dtype nor the file's pages stay.
                     tensor = torch.empty(shape, dtype=target_dtype, device=device)
                     if end > begin:
-                        _stream_into(handle.fileno(), data_start + begin, end - begin, source_dtype, tensor)
-                _set_tensor(module, key, tensor)
+                        stream_into(handle.fileno(), data_start + begin, end - begin, source_dtype, tensor)
+                set_tensor(module, key, tensor)
     finally:
         mapped = None  # tensors used in place keep their mapping alive; the handle itself goes here
 
@@ -208,14 +222,14 @@ def load_component(cls, files: ComponentFiles, dtype: torch.dtype, device: torch
     # Buffers (RoPE tables) were computed on the CPU at their library-chosen dtype; only move them.
     for name, buffer in list(module.named_buffers()):
         if buffer.device != device:
-            _set_tensor(module, name, buffer.to(device))
+            set_tensor(module, name, buffer.to(device))
     return module.eval().requires_grad_(False)
 
 
 def _fill(module: torch.nn.Module, files: ComponentFiles, dtype: torch.dtype, device: torch.device) -> None:
     """Streams every tensor of `files` into `module`, whose parameters may be meta placeholders."""
     cls = type(module)
-    fp32_names = _fp32_module_names(module, dtype)
+    fp32_names = fp32_module_names(module, dtype)
     placeholders = module.state_dict(keep_vars=True)
     with torch.no_grad():
         for path in files.weight_files:

@@ -1,0 +1,227 @@
+"""WanVACEExpertsLoader: the single files ComfyUI users have (Comfy-Org experts, Kijai's VACE modules over
+Wan2.2-T2V experts, GGUF, umt5 and Wan VAE files) -> WANVACE_MODEL."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import comfy.model_management
+import folder_paths
+from comfy_api.latest import io
+
+from ..wanvace_core import (
+    DTYPES,
+    WEIGHT_DTYPES,
+    ExpertFiles,
+    OffloadOptions,
+    WanVACEModelFolderError,
+    attach_offload,
+    inspect_expert_files,
+    load_expert_files,
+)
+from ..wanvace_core.single_file import DEFAULT_BOUNDARY_RATIO, file_stamps, resident_bytes
+from .held import forget_last, hold, reusable
+from .memory import cooperate, make_room_before_loading
+from .types import CATEGORY, WanVACEModelType, WanVACEOffloadType
+
+logger = logging.getLogger(__name__)
+
+NONE = "none"
+_WEIGHT_SUFFIXES = (".safetensors", ".sft", ".gguf")
+
+
+def _files_in(folder_name: str) -> list[str]:
+    """Safetensors and GGUF files under a ComfyUI model folder (ComfyUI's own lists leave .gguf out)."""
+    found: set[str] = set()
+    for root in folder_paths.get_folder_paths(folder_name):
+        if not os.path.isdir(root):
+            continue
+        for directory, _dirs, names in os.walk(root, followlinks=True):
+            for name in names:
+                if name.lower().endswith(_WEIGHT_SUFFIXES):
+                    found.add(os.path.relpath(os.path.join(directory, name), root).replace(os.sep, "/"))
+    return sorted(found)
+
+
+def _resolve(folder_name: str, input_name: str, name: str) -> Path:
+    for root in folder_paths.get_folder_paths(folder_name):
+        candidate = os.path.join(root, name)
+        if os.path.isfile(candidate):
+            return Path(candidate)
+    raise WanVACEModelFolderError(
+        f"{input_name}={name!r} is not a file under models/{folder_name} "
+        f"({', '.join(folder_paths.get_folder_paths(folder_name))}); put it there and refresh."
+    )
+
+
+def _expert_files(
+    high_noise_model: str,
+    low_noise_model: str,
+    text_encoder: str,
+    vae: str,
+    high_noise_vace_module: str = NONE,
+    low_noise_vace_module: str = NONE,
+) -> ExpertFiles:
+    def module(input_name: str, name: str) -> Path | None:
+        return None if name in (NONE, "", None) else _resolve("diffusion_models", input_name, name)
+
+    return ExpertFiles(
+        high_noise_model=_resolve("diffusion_models", "high_noise_model", high_noise_model),
+        low_noise_model=_resolve("diffusion_models", "low_noise_model", low_noise_model),
+        text_encoder=_resolve("text_encoders", "text_encoder", text_encoder),
+        vae=_resolve("vae", "vae", vae),
+        high_noise_vace_module=module("high_noise_vace_module", high_noise_vace_module),
+        low_noise_vace_module=module("low_noise_vace_module", low_noise_vace_module),
+    )
+
+
+class WanVACEExpertsLoader(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        experts = _files_in("diffusion_models")
+        return io.Schema(
+            node_id="WanVACEExpertsLoader",
+            display_name="WanVACE Experts Loader (single files)",
+            category=CATEGORY,
+            description=(
+                "Loads Wan2.2-VACE-Fun from the single files ComfyUI users have: the Comfy-Org experts "
+                "(wan2.2_fun_vace_{high,low}_noise_14B_{bf16,fp8_scaled}), a Wan2.2-T2V expert plus Kijai's VACE "
+                "module, or GGUF experts; a umt5 text encoder from models/text_encoders and the Wan 2.1 VAE from "
+                "models/vae. fp8 and GGUF weights stay quantised in memory with weight_dtype auto. Gives the same "
+                "model as WanVACE Model Loader, so every other node works unchanged."
+            ),
+            inputs=[
+                io.Combo.Input(
+                    "high_noise_model",
+                    options=experts,
+                    tooltip="The high-noise expert (runs the first, noisiest steps), from models/diffusion_models: "
+                    "e.g. wan2.2_fun_vace_high_noise_14B_fp8_scaled.safetensors, a HIGH GGUF, or a "
+                    "wan2.2_t2v_high_noise expert together with high_noise_vace_module.",
+                ),
+                io.Combo.Input(
+                    "low_noise_model",
+                    options=experts,
+                    tooltip="The low-noise expert (the final, detail steps) of the same release, e.g. "
+                    "wan2.2_fun_vace_low_noise_14B_fp8_scaled.safetensors.",
+                ),
+                io.Combo.Input(
+                    "text_encoder",
+                    options=_files_in("text_encoders"),
+                    tooltip="umt5-xxl from models/text_encoders (umt5_xxl_fp16 or umt5_xxl_fp8_e4m3fn_scaled); its "
+                    "tokenizer is read from the file.",
+                ),
+                io.Combo.Input(
+                    "vae",
+                    options=_files_in("vae"),
+                    tooltip="The Wan 2.1 VAE from models/vae (wan_2.1_vae.safetensors); Wan2.2-VACE-Fun-A14B uses it.",
+                ),
+                io.Combo.Input(
+                    "dtype",
+                    options=list(DTYPES),
+                    default="bf16",
+                    tooltip="Compute dtype, and the dtype of every weight that is not kept quantised. bf16 is what "
+                    "the model was trained in; fp32 doubles memory; fp16 may overflow.",
+                ),
+                io.Combo.Input(
+                    "weight_dtype",
+                    options=list(WEIGHT_DTYPES),
+                    default="auto",
+                    tooltip="auto: fp8 and GGUF expert weights stay as stored (fp8 = half of bf16) and are "
+                    "dequantised layer by layer while computing. bf16/fp16/fp32: every expert Linear weight is "
+                    "dequantised once at load and held in that dtype (more memory, no per-step dequantising).",
+                ),
+                io.Float.Input(
+                    "boundary_ratio",
+                    default=DEFAULT_BOUNDARY_RATIO,
+                    min=0.0,
+                    max=1.0,
+                    step=0.005,
+                    tooltip="Steps with timestep >= boundary_ratio x 1000 use the high-noise expert, the rest the "
+                    "low-noise one. 0.875 is Wan2.2-VACE-Fun's trained value.",
+                ),
+                io.Combo.Input(
+                    "high_noise_vace_module",
+                    options=[NONE, *experts],
+                    default=NONE,
+                    optional=True,
+                    tooltip="Only with a Wan2.2-T2V high-noise expert: Kijai's VACE module for it "
+                    "(Wan2_2_Fun_VACE_module_A14B_HIGH_*). none for a whole VACE expert.",
+                ),
+                io.Combo.Input(
+                    "low_noise_vace_module",
+                    options=[NONE, *experts],
+                    default=NONE,
+                    optional=True,
+                    tooltip="Only with a Wan2.2-T2V low-noise expert: Kijai's VACE module for it "
+                    "(Wan2_2_Fun_VACE_module_A14B_LOW_*). none for a whole VACE expert.",
+                ),
+                WanVACEOffloadType.Input(
+                    "offload",
+                    optional=True,
+                    tooltip="From WanVACE Offload Options; unconnected = everything on the GPU. Layerwise offload "
+                    "streams the stored (fp8/GGUF) bytes. Changing only these options re-attaches to the loaded "
+                    "weights.",
+                ),
+            ],
+            outputs=[WanVACEModelType.Output(display_name="model", tooltip="The loaded WanVACE pipeline.")],
+        )
+
+    @classmethod
+    def validate_inputs(
+        cls,
+        high_noise_model: str | None = None,
+        low_noise_model: str | None = None,
+        text_encoder: str | None = None,
+        vae: str | None = None,
+        high_noise_vace_module: str = NONE,
+        low_noise_vace_module: str = NONE,
+    ) -> bool | str:
+        # The files are checked together (headers only): whether they fit is a property of the set. ComfyUI lists
+        # a refusal under every argument here, so each message names the input and file it is about.
+        if None in (high_noise_model, low_noise_model, text_encoder, vae):
+            return True
+        try:
+            inspect_expert_files(
+                _expert_files(
+                    high_noise_model, low_noise_model, text_encoder, vae, high_noise_vace_module, low_noise_vace_module
+                )
+            )
+        except WanVACEModelFolderError as error:
+            return str(error)
+        return True
+
+    @classmethod
+    def execute(
+        cls,
+        high_noise_model: str,
+        low_noise_model: str,
+        text_encoder: str,
+        vae: str,
+        dtype: str,
+        weight_dtype: str,
+        boundary_ratio: float,
+        high_noise_vace_module: str = NONE,
+        low_noise_vace_module: str = NONE,
+        offload: OffloadOptions | None = None,
+    ) -> io.NodeOutput:
+        device = comfy.model_management.get_torch_device()
+        files = _expert_files(
+            high_noise_model, low_noise_model, text_encoder, vae, high_noise_vace_module, low_noise_vace_module
+        )
+        options = offload or OffloadOptions()
+        layouts = inspect_expert_files(files)
+        key = ("experts", files, dtype, weight_dtype, float(boundary_ratio), str(device))
+        model = reusable(key, file_stamps(layouts))
+        forget_last()  # other files or settings must not stay held beside this one
+        if model is not None:
+            attach_offload(model, options)
+            logger.info("WanVACE: reusing the loaded experts with offload mode %r", options.mode)
+        else:
+            if options.mode == "none":
+                make_room_before_loading(device, resident_bytes(layouts, dtype, weight_dtype))
+            model = load_expert_files(files, dtype, weight_dtype, boundary_ratio, device, offload=options)
+        hold(key, model)
+        cooperate(model, device).on_unload = forget_last
+        return io.NodeOutput(model)

@@ -1,0 +1,330 @@
+"""Loads the single files ComfyUI users have: one file per expert (or a T2V expert plus a VACE module),
+a umt5 text encoder file and a Wan 2.1 VAE file, as safetensors (bf16/fp16/fp32, scaled fp8) or GGUF.
+
+The loading is the folder loader's: each model is built on meta and every tensor streams from its
+file straight into place (used in place from the copy-on-write mapping when nothing needs to change,
+else cast or dequantised window by window into its one final allocation); no model exists twice.
+With `weight_dtype="auto"` fp8 and GGUF weights of the experts' Linear layers stay stored as the
+file has them (`quantized.QuantizedLinear`) and are dequantised per layer at compute time; any other
+`weight_dtype` dequantises them at load time. Both paths compute the same weights bitwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import WanVACEModelFolderError
+from .loading import DTYPES, fp32_module_names, set_tensor, stream_into
+from .model import WanVACEModel
+from .offload import OffloadOptions
+from .quantized import QuantizedLinear, WeightFormat, replace_linears
+from .runtime import compose
+from .tokenizer import t5_tokenizer_from_sentencepiece
+from .wan_layouts import Layout, Source, expert_layout, umt5_layout, vae_layout
+from .weight_files import open_weight_file
+
+logger = logging.getLogger(__name__)
+
+WEIGHT_DTYPES = ("auto", *DTYPES)
+DEFAULT_BOUNDARY_RATIO = 0.875
+# Model facts of Wan2.2-VACE-Fun-A14B's diffusers release (its scheduler/scheduler_config.json).
+SCHEDULER_CONFIG = {
+    "prediction_type": "flow_prediction",
+    "use_flow_sigmas": True,
+    "num_train_timesteps": 1000,
+    "flow_shift": 3.0,
+}
+_FP8_DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+
+
+@dataclass(frozen=True)
+class ExpertFiles:
+    """The files of one pipeline. `high_noise_model` is diffusers' `transformer`, `low_noise_model` its
+    `transformer_2` (VideoX-Fun names them the other way round). A VACE module goes over a T2V expert."""
+
+    high_noise_model: Path
+    text_encoder: Path
+    vae: Path
+    low_noise_model: Path | None = None
+    high_noise_vace_module: Path | None = None
+    low_noise_vace_module: Path | None = None
+
+
+@dataclass(frozen=True)
+class _Placement:
+    """How one state-dict entry is made from its source."""
+
+    source: Source
+    dtype: torch.dtype  # the dtype it is held in (the stored dtype when kept)
+    keep: WeightFormat | None = None  # kept as stored, dequantised per forward
+    dequantize: WeightFormat | None = None  # dequantised (or cast) at load
+
+
+def _stored_format(source: Source) -> WeightFormat | None:
+    if source.entry.quant is not None:
+        return WeightFormat("gguf", torch.uint8, source.entry.quant)
+    if source.scale is not None:
+        return WeightFormat("scaled_fp8", _FP8_DTYPES[source.fp8_format])
+    return None
+
+
+def _plan(layout: Layout, module: torch.nn.Module, dtype: torch.dtype, weight_dtype: str, keep_quantized: bool):
+    """Decides, per state-dict key, what is kept stored and what is cast or dequantised to which dtype."""
+    fp32_names = fp32_module_names(module, dtype)
+    linears = {name for name, child in module.named_modules() if isinstance(child, torch.nn.Linear)}
+    storage = dtype if weight_dtype == "auto" else DTYPES[weight_dtype]
+    placements: dict[str, _Placement] = {}
+    formats: dict[str, WeightFormat] = {}
+    for key, source in layout.sources.items():
+        stored = _stored_format(source)
+        owner = key.rpartition(".")[0]
+        keep_fp32 = any(part in fp32_names for part in key.split("."))
+        is_linear_weight = key.endswith(".weight") and owner in linears and not keep_fp32 and keep_quantized
+        if not source.entry.dtype.is_floating_point and stored is None:
+            placements[key] = _Placement(source, source.entry.dtype)
+        elif keep_fp32:
+            placements[key] = _Placement(source, torch.float32, dequantize=stored)
+        elif is_linear_weight and stored is not None and weight_dtype == "auto":
+            formats[owner] = stored
+            placements[key] = _Placement(source, stored.stored_dtype, keep=stored)
+        elif is_linear_weight and storage != dtype:
+            formats[owner] = WeightFormat("cast", storage)
+            placements[key] = _Placement(source, storage, dequantize=stored)
+        else:
+            placements[key] = _Placement(source, dtype, dequantize=stored)
+    return placements, formats
+
+
+def _tensor_for(placement: _Placement, device: torch.device) -> torch.Tensor:
+    source = placement.source
+    entry, file = source.entry, source.file
+    if placement.keep is not None:
+        raw = file.view(entry)
+        stored = raw.view(placement.keep.stored_dtype) if raw.dtype != placement.keep.stored_dtype else raw
+        return stored if device.type == "cpu" else stored.to(device)
+    if placement.dequantize is None and entry.dtype == placement.dtype:
+        view = file.view(entry)  # used in place: a view of the copy-on-write mapping
+        return view if device.type == "cpu" else view.to(device)
+    target = torch.empty(entry.shape, dtype=placement.dtype, device=device)
+    if entry.nbytes == 0:
+        return target
+    weight_format = placement.dequantize
+    transform, unit_bytes, unit_elements = None, None, 1
+    source_dtype = entry.dtype
+    if weight_format is not None and weight_format.kind == "gguf":
+        import gguf
+
+        block_size, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[weight_format.quant]]
+        unit_bytes, unit_elements = type_size, block_size
+        transform = lambda raw: weight_format.dequantize(raw, None, (-1,))  # noqa: E731
+    elif weight_format is not None:
+        scale = file.view(source.scale).to(torch.float32).reshape(()).clone()
+        source_dtype = weight_format.stored_dtype
+        transform = lambda values: weight_format.dequantize(values, scale, (-1,))  # noqa: E731
+    with open(file.path, "rb", buffering=0) as handle:
+        stream_into(
+            handle.fileno(), entry.offset, entry.nbytes, source_dtype, target, transform, unit_bytes, unit_elements
+        )
+    return target
+
+
+def _fill(module: torch.nn.Module, layout: Layout, placements: dict[str, _Placement], device: torch.device) -> None:
+    placeholders = module.state_dict(keep_vars=True)
+    name = type(module).__name__
+    foreign = [key for key in placements if key not in placeholders]
+    if foreign:
+        raise WanVACEModelFolderError(
+            f"{layout.description} holds tensor '{foreign[0]}', which {name} does not have; this file belongs to "
+            "another model or version."
+        )
+    with torch.no_grad():
+        for key, placement in placements.items():
+            entry = placement.source.entry
+            owner = module.get_submodule(key.rpartition(".")[0]) if "." in key else module
+            stored_whole = isinstance(owner, QuantizedLinear) and key.endswith(".weight")
+            expected = (owner.out_features, owner.in_features) if stored_whole else placeholders[key].shape
+            if tuple(expected) != tuple(entry.shape):
+                raise WanVACEModelFolderError(
+                    f"{layout.description}: '{entry.name}' has shape {list(entry.shape)}, {name} expects "
+                    f"{list(expected)}; this file belongs to another model size."
+                )
+            set_tensor(module, key, _tensor_for(placement, device))
+            if placement.keep is not None and placement.source.scale is not None:
+                scale = placement.source.file.view(placement.source.scale).to(torch.float32).reshape(())
+                set_tensor(module, key.rpartition(".")[0] + ".weight_scale", scale.to(device))
+    if hasattr(module, "tie_weights"):
+        module.tie_weights()
+    still_empty = [key for key, tensor in module.state_dict(keep_vars=True).items() if tensor.is_meta]
+    if still_empty:
+        shown = ", ".join(still_empty[:5]) + (" ..." if len(still_empty) > 5 else "")
+        raise WanVACEModelFolderError(
+            f"{layout.description} lacks {len(still_empty)} tensor(s) of {name} ({shown}); the file is incomplete "
+            "or belongs to another model."
+        )
+    for file in layout.files:
+        file.release()  # tensors used in place keep their mapping alive
+
+
+def _load(layout: Layout, dtype, weight_dtype: str, device, keep_quantized: bool):
+    module = layout.build_on_meta()
+    placements, formats = _plan(layout, module, dtype, weight_dtype, keep_quantized)
+    replace_linears(module, formats)
+    _fill(module, layout, placements, device)
+    for key, buffer in list(module.named_buffers()):
+        if buffer.device != device:
+            set_tensor(module, key, buffer.to(device))
+    return module.eval().requires_grad_(False), placements
+
+
+class SingleFileWeights:
+    """The `WeightSource` of single files: reads dropped weights back exactly as they were loaded."""
+
+    def __init__(self, layouts: dict[str, Layout], placements: dict[str, dict]) -> None:
+        self.layouts = layouts
+        self.placements = placements
+        self.stamps = file_stamps(layouts)
+
+    def refill(self, name: str, module: torch.nn.Module, device: torch.device) -> None:
+        if file_stamps(self.layouts) != self.stamps:
+            raise WanVACEModelFolderError(
+                "A weight file of this model changed since it was loaded, so its unloaded weights cannot be read "
+                "back; load the model again (re-run the loader, or change one of its inputs)."
+            )
+        _fill(module, self.layouts[name], self.placements[name], torch.device(device))
+        module.requires_grad_(False)
+        logger.info("Reloaded WanVACE weights of %s onto %s", self.layouts[name].description, device)
+
+
+def file_stamps(layouts: dict[str, Layout]) -> dict[str, tuple[int, int]]:
+    return {str(file.path): file.stamp for layout in layouts.values() for file in layout.files}
+
+
+def _tokenizer(text_encoder: Path, layout: Layout):
+    spiece = layout.extra.get("spiece_model")
+    if spiece is not None:
+        file = layout.files[0]
+        model_bytes = bytes(file.view(spiece).numpy().tobytes())
+        file.release()
+        return t5_tokenizer_from_sentencepiece(model_bytes, f"The spiece_model tensor of {text_encoder}")
+    for folder in (text_encoder.parent / f"{text_encoder.stem}_tokenizer", text_encoder.parent / "tokenizer"):
+        if (folder / "tokenizer.json").is_file() or (folder / "spiece.model").is_file():
+            from transformers import T5TokenizerFast
+
+            return T5TokenizerFast.from_pretrained(folder)
+    raise WanVACEModelFolderError(
+        f"text_encoder={text_encoder.name} carries no tokenizer (no 'spiece_model' tensor) and none lies beside it; "
+        f"use ComfyUI's umt5_xxl_fp16 / umt5_xxl_fp8_e4m3fn_scaled, or put the google/umt5-xxl tokenizer files "
+        f"(tokenizer.json or spiece.model) in {text_encoder.parent / (text_encoder.stem + '_tokenizer')}."
+    )
+
+
+def inspect_expert_files(files: ExpertFiles) -> dict[str, Layout]:
+    """Reads every header and checks the files fit together; cheap (no tensor data), raises naming the file."""
+    high = expert_layout(
+        open_weight_file(files.high_noise_model),
+        None if files.high_noise_vace_module is None else open_weight_file(files.high_noise_vace_module),
+        "high_noise_model",
+    )
+    layouts = {"transformer": high}
+    if files.low_noise_model is not None:
+        low = expert_layout(
+            open_weight_file(files.low_noise_model),
+            None if files.low_noise_vace_module is None else open_weight_file(files.low_noise_vace_module),
+            "low_noise_model",
+        )
+        if low.config != high.config:
+            differing = sorted(key for key in high.config if high.config[key] != low.config.get(key))
+            shown = ", ".join(f"{key} {high.config[key]} vs {low.config[key]}" for key in differing[:3])
+            raise WanVACEModelFolderError(
+                f"high_noise_model={files.high_noise_model.name} and low_noise_model={files.low_noise_model.name} "
+                f"are experts of two different models ({shown}); choose the high- and low-noise experts of one "
+                "release (e.g. both Wan2.2-VACE-Fun-A14B)."
+            )
+        layouts["transformer_2"] = low
+    text = umt5_layout(open_weight_file(files.text_encoder))
+    if text.config["d_model"] != high.config["text_dim"]:
+        raise WanVACEModelFolderError(
+            f"text_encoder={files.text_encoder.name} gives {text.config['d_model']}-wide embeddings, the experts take "
+            f"{high.config['text_dim']}; Wan uses umt5-xxl (4096): choose umt5_xxl_fp16 or umt5_xxl_fp8_e4m3fn_scaled."
+        )
+    layouts["text_encoder"] = text
+    layouts["vae"] = vae_layout(open_weight_file(files.vae))
+    return layouts
+
+
+def load_expert_files(
+    files: ExpertFiles,
+    dtype: str = "bf16",
+    weight_dtype: str = "auto",
+    boundary_ratio: float | None = DEFAULT_BOUNDARY_RATIO,
+    device: str | torch.device = "cpu",
+    offload: OffloadOptions | None = None,
+) -> WanVACEModel:
+    """Loads a WanVACE pipeline from single files (see `ExpertFiles`); same result type as `load_pipeline`."""
+    if dtype not in DTYPES:
+        raise WanVACEModelFolderError(f"dtype={dtype!r} is not supported; choose one of {', '.join(DTYPES)}.")
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise WanVACEModelFolderError(
+            f"weight_dtype={weight_dtype!r} is not supported; choose one of {', '.join(WEIGHT_DTYPES)}."
+        )
+    two_experts = files.low_noise_model is not None
+    if two_experts and (boundary_ratio is None or not 0.0 <= float(boundary_ratio) <= 1.0):
+        raise WanVACEModelFolderError(
+            f"boundary_ratio={boundary_ratio} must lie in [0, 1] for two experts; Wan2.2 uses 0.875."
+        )
+    torch_dtype = DTYPES[dtype]
+    device = torch.device(device)
+    offload = offload or OffloadOptions()
+    load_device = device if offload.mode == "none" else torch.device("cpu")
+    layouts = inspect_expert_files(files)
+    modules, placements = {}, {}
+    for name, layout in layouts.items():
+        # The text encoder stays plain: transformers' T5 casts activations to its `wo` weight dtype.
+        keep = name in ("transformer", "transformer_2")
+        modules[name], placements[name] = _load(layout, torch_dtype, weight_dtype, load_device, keep)
+    tokenizer = _tokenizer(Path(files.text_encoder), layouts["text_encoder"])
+    from diffusers import UniPCMultistepScheduler
+
+    scheduler_config = dict(UniPCMultistepScheduler(**SCHEDULER_CONFIG).config)
+    logger.info(
+        "Loaded WanVACE single files (%s, weights %s): %s",
+        dtype,
+        weight_dtype,
+        ", ".join(layout.description for layout in layouts.values()),
+    )
+    model = WanVACEModel(
+        source=Path(files.high_noise_model),
+        dtype=torch_dtype,
+        device=device,
+        tokenizer=tokenizer,
+        text_encoder=modules["text_encoder"],
+        vae=modules["vae"],
+        transformer=modules["transformer"],
+        transformer_2=modules.get("transformer_2"),
+        scheduler_config=scheduler_config,
+        boundary_ratio=float(boundary_ratio) if two_experts else None,
+        weights=SingleFileWeights(layouts, placements),
+    )
+    compose(model, offload)
+    return model
+
+
+def resident_bytes(layouts: dict[str, Layout], dtype: str, weight_dtype: str) -> int:
+    """About how many bytes the loaded weights take (kept fp8/GGUF weights at their stored size)."""
+    compute = DTYPES[dtype].itemsize
+    storage = compute if weight_dtype == "auto" else DTYPES[weight_dtype].itemsize
+    total = 0
+    for name, layout in layouts.items():
+        for source in layout.sources.values():
+            entry = source.entry
+            kept = weight_dtype == "auto" and name in ("transformer", "transformer_2") and _stored_format(source)
+            if kept or (not entry.dtype.is_floating_point and entry.quant is None):
+                total += entry.nbytes
+            else:
+                total += math.prod(entry.shape) * (storage if len(entry.shape) == 2 else compute)
+    return total

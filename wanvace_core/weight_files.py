@@ -1,0 +1,183 @@
+"""One interface over the weight files ComfyUI users have: safetensors and GGUF.
+
+`open_weight_file(path)` reads only the file's header (cheap enough for prompt validation) and
+gives a `WeightFile`: its metadata and a `StoredTensor` per tensor (storage dtype, logical shape,
+byte range, GGUF quantisation type). `WeightFile.view(entry)` is the stored bytes as a tensor of a
+copy-on-write mapping of the file: no private memory until written (it never is), paged in on
+first use. Loading casts or dequantises from there in windows (`loading.stream_into`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .errors import WanVACEModelFolderError
+from .folder import read_safetensors_header
+
+_REMEDY = "re-download or re-convert this file"
+# Plain float types GGUF stores unquantised, by gguf-py's GGMLQuantizationType name.
+_GGUF_PLAIN = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+# city96's ComfyUI-GGUF stores the shape of tensors it had to flatten (GGUF has at most 4 dims) here.
+_GGUF_ORIGINAL_SHAPE = "comfy.gguf.orig_shape."
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where one tensor lies in its file and how it is stored."""
+
+    name: str
+    shape: tuple[int, ...]  # the logical (dequantised) shape
+    dtype: torch.dtype  # the storage dtype (uint8 for GGUF quantised blocks)
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+    quant: str | None = None  # GGUF quantisation type name ("Q8_0", "Q6_K", ...) or None
+
+    @property
+    def storage_shape(self) -> tuple[int, ...]:
+        """The shape of the stored bytes as a tensor of `dtype` (rows of blocks for GGUF)."""
+        if self.quant is None:
+            return self.shape
+        return (*self.shape[:-1], self.nbytes // max(1, math.prod(self.shape[:-1])))
+
+
+@dataclass
+class WeightFile:
+    """A weight file's header: format, metadata and tensors. Views map the file lazily."""
+
+    path: Path
+    format: str  # "safetensors" or "gguf"
+    metadata: dict
+    tensors: dict[str, StoredTensor]
+    _storage: torch.UntypedStorage | None = field(default=None, repr=False)
+
+    @property
+    def stamp(self) -> tuple[int, int]:
+        status = self.path.stat()
+        return status.st_size, status.st_mtime_ns
+
+    def view(self, entry: StoredTensor) -> torch.Tensor:
+        """The stored bytes of `entry` as a tensor of its storage dtype and shape, on a private file mapping."""
+        if self._storage is None:
+            # shared=False maps the file copy-on-write: clean pages stay file-backed, nothing is read up front.
+            self._storage = torch.UntypedStorage.from_file(
+                str(self.path), shared=False, nbytes=self.path.stat().st_size
+            )
+        raw = torch.empty(0, dtype=torch.uint8).set_(self._storage, entry.offset, (entry.nbytes,))
+        if entry.dtype.itemsize > 1 and entry.offset % entry.dtype.itemsize:
+            raw = raw.clone()  # unaligned: a view of another dtype cannot start here
+        return raw.view(entry.dtype).view(entry.storage_shape)
+
+    def release(self) -> None:
+        """Forgets the mapping (tensors viewing it keep it alive until they go)."""
+        self._storage = None
+
+
+def _safetensors_file(path: Path) -> WeightFile:
+    from .loading import SAFETENSORS_DTYPES
+
+    data_start, header = read_safetensors_header(path)
+    with open(path, "rb") as handle:
+        handle.seek(8)
+        raw_header = json.loads(handle.read(data_start - 8))
+    metadata = raw_header.get("__metadata__") or {}
+    size = path.stat().st_size
+    tensors = {}
+    for name, entry in header.items():
+        dtype = SAFETENSORS_DTYPES.get(entry.get("dtype"))
+        if dtype is None:
+            raise WanVACEModelFolderError(
+                f"{path} stores '{name}' as {entry.get('dtype')}, which is not supported; convert it to BF16, F16, "
+                "F32 or FP8."
+            )
+        begin, end = entry["data_offsets"]
+        shape = tuple(entry["shape"])
+        if end - begin != math.prod(shape) * dtype.itemsize or data_start + end > size:
+            raise WanVACEModelFolderError(
+                f"{path} is truncated or corrupt at tensor '{name}' ({size} bytes on disk); {_REMEDY}."
+            )
+        tensors[name] = StoredTensor(name, shape, dtype, data_start + begin, end - begin)
+    return WeightFile(path, "safetensors", metadata, tensors)
+
+
+def _gguf_value(field):
+    """A GGUF metadata field's value: a string, a number, or a list of them."""
+    from gguf import GGUFValueType
+
+    def one(index):
+        part = field.parts[index]
+        if field.types and field.types[-1] == GGUFValueType.STRING:
+            return bytes(part).decode("utf-8", errors="replace")
+        return part.tolist()[0] if len(part) == 1 else part.tolist()
+
+    values = [one(index) for index in field.data]
+    if field.types and field.types[0] == GGUFValueType.ARRAY:
+        return values
+    return values[0] if values else None
+
+
+def _gguf_file(path: Path) -> WeightFile:
+    try:
+        import gguf
+    except ImportError as error:
+        raise WanVACEModelFolderError(
+            f"{path} is a GGUF file, which needs the 'gguf' package; install this pack's requirements.txt."
+        ) from error
+    from diffusers.quantizers.gguf.utils import dequantize_functions
+
+    try:
+        reader = gguf.GGUFReader(str(path), "r")
+    except ValueError as error:
+        message = str(error)
+        if "GGMLQuantizationType" in message or "is not a valid" in message:
+            raise WanVACEModelFolderError(
+                f"{path} uses a GGUF quantisation type this pack cannot read ({message}); use a Q8_0, Q6_K, Q5_K, "
+                "Q4_K, Q3_K, Q2_K, Q5_0/Q5_1, Q4_0/Q4_1 or F16/BF16 file."
+            ) from error
+        raise WanVACEModelFolderError(f"{path} is not a readable GGUF file ({message}); {_REMEDY}.") from error
+    except (OSError, IndexError, KeyError, struct.error) as error:
+        raise WanVACEModelFolderError(f"{path} is not a readable GGUF file ({error}); {_REMEDY}.") from error
+    metadata = {name: _gguf_value(entry) for name, entry in reader.fields.items() if not name.startswith("GGUF.")}
+    size = path.stat().st_size
+    tensors = {}
+    for tensor in reader.tensors:
+        qtype = gguf.GGMLQuantizationType(int(tensor.tensor_type))
+        original = metadata.get(_GGUF_ORIGINAL_SHAPE + tensor.name)
+        shape = tuple(int(v) for v in original) if original else tuple(int(v) for v in reversed(tensor.shape.tolist()))
+        if qtype.name in _GGUF_PLAIN:
+            dtype, quant = _GGUF_PLAIN[qtype.name], None
+        elif qtype in dequantize_functions:
+            dtype, quant = torch.uint8, qtype.name
+        else:
+            raise WanVACEModelFolderError(
+                f"{path} stores '{tensor.name}' as GGUF type {qtype.name}, which diffusers cannot dequantise; use a "
+                "Q8_0, Q6_K, Q5_K, Q4_K, Q3_K, Q2_K, Q5_0/Q5_1, Q4_0/Q4_1 or F16/BF16 file."
+            )
+        offset, nbytes = int(tensor.data_offset), int(tensor.n_bytes)
+        if offset + nbytes > size:
+            raise WanVACEModelFolderError(
+                f"{path} is truncated at tensor '{tensor.name}' ({size} bytes on disk); {_REMEDY}."
+            )
+        tensors[tensor.name] = StoredTensor(tensor.name, shape, dtype, offset, nbytes, quant)
+    del reader  # drops gguf-py's own mapping of the file
+    return WeightFile(path, "gguf", metadata, tensors)
+
+
+def open_weight_file(path: str | Path) -> WeightFile:
+    """Reads the header of a `.safetensors` or `.gguf` weight file; raises naming the file and the fix."""
+    path = Path(path)
+    if not path.is_file():
+        raise WanVACEModelFolderError(f"Weight file {path} does not exist; put it there or pick another file.")
+    if path.suffix.lower() == ".gguf":
+        return _gguf_file(path)
+    if path.suffix.lower() == ".safetensors":
+        return _safetensors_file(path)
+    raise WanVACEModelFolderError(
+        f"{path} is neither .safetensors nor .gguf; pickle checkpoints (.pth, .ckpt, .pt, .bin) can run code when "
+        "loaded and are refused here: use the .safetensors or .gguf release."
+    )
