@@ -1,6 +1,9 @@
-"""WanVACEConditioning: prompts + optional control video, masks and reference images -> WANVACE_COND."""
+"""WanVACEConditioning: prompts (text, or ComfyUI CONDITIONING) + optional control video, masks and reference
+images -> WANVACE_COND."""
 
 from __future__ import annotations
+
+import logging
 
 from comfy_api.latest import io
 
@@ -11,8 +14,44 @@ from ..wanvace_core import (
     validate_generation_size,
     validate_prompt,
 )
+from ..wanvace_core.conditioning import NEGATIVE_EMBEDS_INPUT, POSITIVE_EMBEDS_INPUT, TextEmbeddings
 from ..wanvace_core.validation import nan_refusing_min
 from .types import CATEGORY, WanVACEConditioningType, WanVACEModelType
+
+logger = logging.getLogger(__name__)
+
+# ComfyUI passes a connected input to validate_inputs as None (its value does not exist before the prompt runs)
+# and leaves an unconnected optional input out; this default tells the two apart.
+_NOT_CONNECTED = object()
+# Keys of a CONDITIONING entry's dict that say nothing the text embeddings do not: ComfyUI's text encoders set
+# pooled_output (None for Wan's umt5) and, for some encoders, attention_mask (which the conversion reads).
+_TEXT_ENCODER_KEYS = {"pooled_output", "attention_mask"}
+
+
+def _text_embeddings(name: str, conditioning) -> TextEmbeddings | None:
+    """ComfyUI's CONDITIONING (a list of [hidden states, dict] entries) -> the one encoded prompt it holds."""
+    if conditioning is None:
+        return None
+    if not isinstance(conditioning, list) or not all(
+        isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[1], dict) for entry in conditioning
+    ):
+        raise WanVACEInputError(
+            f"{name} is a {type(conditioning).__name__}, not a ComfyUI CONDITIONING; connect a CLIPTextEncode output."
+        )
+    if len(conditioning) != 1:
+        raise WanVACEInputError(
+            f"{name} holds {len(conditioning)} conditioning entries (from ConditioningCombine or similar); WanVACE "
+            "takes one prompt per input: connect a single CLIPTextEncode output."
+        )
+    hidden_states, extras = conditioning[0]
+    ignored = sorted(set(extras) - _TEXT_ENCODER_KEYS)
+    if ignored:
+        logger.warning(
+            "WanVACE uses only the text embeddings of %s; it ignores the %s set by other conditioning nodes.",
+            name,
+            ", ".join(ignored),
+        )
+    return TextEmbeddings(hidden_states, extras.get("attention_mask"))
 
 
 class WanVACEConditioning(io.ComfyNode):
@@ -27,18 +66,25 @@ class WanVACEConditioning(io.ComfyNode):
                 "control_video + control_masks: given frames are kept where the mask is 0 and generated where it is "
                 "1 (I2V = one frame with a black mask; first/last frame; inpaint; outpaint; extension = the first "
                 "frames). control_video alone: a control signal (depth, pose, ...). reference_images: subjects or "
-                "style, each its own latent frame. Frames shorter than length are padded with grey and generated."
+                "style, each its own latent frame. Frames shorter than length are padded with grey and generated. "
+                "positive_conditioning / negative_conditioning take prompts encoded by ComfyUI's own umt5 text "
+                "encoder instead of the texts."
             ),
             inputs=[
                 WanVACEModelType.Input("model", tooltip="The pipeline from WanVACE Model Loader."),
                 io.String.Input(
-                    "positive", multiline=True, default="", tooltip="What the video shows. Must not be empty."
+                    "positive",
+                    multiline=True,
+                    default="",
+                    tooltip="What the video shows. Must not be empty unless positive_conditioning is connected, "
+                    "which then replaces this text.",
                 ),
                 io.String.Input(
                     "negative",
                     multiline=True,
                     default="",
-                    tooltip="What to steer away from (used when cfg > 1). May be empty.",
+                    tooltip="What to steer away from (used when cfg > 1). May be empty. Ignored when "
+                    "negative_conditioning is connected.",
                 ),
                 io.Int.Input(
                     "width", default=832, min=16, max=4096, step=16, tooltip="Video width in pixels, a multiple of 16."
@@ -84,22 +130,40 @@ class WanVACEConditioning(io.ComfyNode):
                     tooltip="One or more reference images (an IMAGE batch); each is fitted onto a white canvas of the "
                     "video size and becomes its own latent frame.",
                 ),
+                io.Conditioning.Input(
+                    POSITIVE_EMBEDS_INPUT,
+                    optional=True,
+                    tooltip="The positive prompt encoded by ComfyUI's own text encoder (CLIPLoader with umt5_xxl, type "
+                    "wan, then CLIPTextEncode), used instead of the positive text, which may then be empty.",
+                ),
+                io.Conditioning.Input(
+                    NEGATIVE_EMBEDS_INPUT,
+                    optional=True,
+                    tooltip="The negative prompt encoded by ComfyUI's own text encoder (CLIPLoader with umt5_xxl, type "
+                    "wan, then CLIPTextEncode), used instead of the negative text.",
+                ),
             ],
             outputs=[WanVACEConditioningType.Output(display_name="conditioning", tooltip="Encoded VACE conditioning.")],
         )
 
     @classmethod
     def validate_inputs(
-        cls, positive: str | None = None, width: int | None = None, height: int | None = None, length: int | None = None
+        cls,
+        positive: str | None = None,
+        width: int | None = None,
+        height: int | None = None,
+        length: int | None = None,
+        positive_conditioning=_NOT_CONNECTED,
     ) -> bool | str:
-        # ComfyUI lists a refusal under every argument of validate_inputs, so each message names the input it
-        # is about. Floats stay out of it: ComfyUI's own range check refuses NaN (nan_refusing_min) and +-inf
-        # under that input alone.
+        # ComfyUI lists a refusal under every argument of validate_inputs it passed, so each message names the
+        # input it is about (an unconnected positive_conditioning is not passed, so an empty text is refused under
+        # positive alone). Floats stay out of it: ComfyUI's own range check refuses NaN (nan_refusing_min) and
+        # +-inf under that input alone.
         try:
             if None not in (width, height, length):
                 validate_generation_size(width, height, length)
             if positive is not None:
-                validate_prompt(positive)
+                validate_prompt(positive, has_embeddings=positive_conditioning is not _NOT_CONNECTED)
         except WanVACEInputError as error:
             return str(error)
         return True
@@ -117,6 +181,8 @@ class WanVACEConditioning(io.ComfyNode):
         control_video=None,
         control_masks=None,
         reference_images=None,
+        positive_conditioning=None,
+        negative_conditioning=None,
     ) -> io.NodeOutput:
         inputs = VACEInputs(
             positive=positive,
@@ -128,5 +194,7 @@ class WanVACEConditioning(io.ComfyNode):
             control_video=control_video,
             control_masks=control_masks,
             reference_images=reference_images,
+            positive_embeds=_text_embeddings(POSITIVE_EMBEDS_INPUT, positive_conditioning),
+            negative_embeds=_text_embeddings(NEGATIVE_EMBEDS_INPUT, negative_conditioning),
         )
         return io.NodeOutput(prepare_conditioning(model, inputs))

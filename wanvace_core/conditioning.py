@@ -25,7 +25,7 @@ _PAD_GREY = 0.5
 # The node inputs that carry an encoded prompt; refusals name them.
 POSITIVE_EMBEDS_INPUT = "positive_conditioning"
 NEGATIVE_EMBEDS_INPUT = "negative_conditioning"
-_TEXT_ENCODER_FIX = "load umt5_xxl (umt5_xxl_fp8_e4m3fn_scaled or _fp16) with CLIPLoader type wan and encode with CLIPTextEncode"
+_TEXT_ENCODER_FIX = "load umt5_xxl with CLIPLoader type wan and encode the prompt with CLIPTextEncode"
 
 
 @dataclass(frozen=True)
@@ -114,8 +114,7 @@ def _real_token_rows(name: str, embeds: TextEmbeddings, text_dim: int | None, ma
     if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point() or hidden.ndim != 3:
         shape = tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
         raise WanVACEInputError(
-            f"{name} holds {shape}, not text-encoder hidden states [1, tokens, width]; connect a CLIPTextEncode "
-            "output."
+            f"{name} holds {shape}, not text-encoder hidden states [1, tokens, width]; connect a CLIPTextEncode output."
         )
     batch, tokens, width = hidden.shape
     if batch != 1:
@@ -207,7 +206,10 @@ def validate_vace_inputs(
     validate_prompt(inputs.positive, has_embeddings=inputs.positive_embeds is not None)
     if not isinstance(inputs.negative, str):
         raise WanVACEInputError(f"negative={inputs.negative!r} is not a string; give a text prompt (it may be empty).")
-    for name, embeds in ((POSITIVE_EMBEDS_INPUT, inputs.positive_embeds), (NEGATIVE_EMBEDS_INPUT, inputs.negative_embeds)):
+    for name, embeds in (
+        (POSITIVE_EMBEDS_INPUT, inputs.positive_embeds),
+        (NEGATIVE_EMBEDS_INPUT, inputs.negative_embeds),
+    ):
         if embeds is not None:
             validate_text_embeddings(name, embeds, text_dim, max_sequence_length)
     strength_fix = "use a value in [0, 10]; 1.0 is the trained value"
