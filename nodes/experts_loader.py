@@ -16,6 +16,7 @@ from ..wanvace_core import (
     WEIGHT_DTYPES,
     ExpertFiles,
     OffloadOptions,
+    WanVACEModel,
     WanVACEModelFolderError,
     attach_offload,
     inspect_expert_files,
@@ -210,18 +211,23 @@ class WanVACEExpertsLoader(io.ComfyNode):
         files = _expert_files(
             high_noise_model, low_noise_model, text_encoder, vae, high_noise_vace_module, low_noise_vace_module
         )
-        options = offload or OffloadOptions()
-        layouts = inspect_expert_files(files)
-        key = ("experts", files, dtype, weight_dtype, float(boundary_ratio), str(device))
-        model = reusable(key, file_stamps(layouts))
-        forget_last()  # other files or settings must not stay held beside this one
-        if model is not None:
-            attach_offload(model, options)
-            logger.info("WanVACE: reusing the loaded experts with offload mode %r", options.mode)
-        else:
-            if options.mode == "none":
-                make_room_before_loading(device, resident_bytes(layouts, dtype, weight_dtype))
-            model = load_expert_files(files, dtype, weight_dtype, boundary_ratio, device, offload=options)
-        hold(key, model)
-        cooperate(model, device).on_unload = forget_last
-        return io.NodeOutput(model)
+        return io.NodeOutput(load_held_experts(files, dtype, weight_dtype, boundary_ratio, device, offload))
+
+
+def load_held_experts(files: ExpertFiles, dtype, weight_dtype, boundary_ratio, device, offload) -> WanVACEModel:
+    """Loads the files, or re-attaches the pipeline already loaded from them when only the offload options changed."""
+    options = offload or OffloadOptions()
+    layouts = inspect_expert_files(files)
+    key = ("experts", files, dtype, weight_dtype, float(boundary_ratio), str(device))
+    model = reusable(key, file_stamps(layouts))
+    forget_last()  # other files or settings must not stay held beside this one
+    if model is not None:
+        attach_offload(model, options)
+        logger.info("WanVACE: reusing the loaded experts with offload mode %r", options.mode)
+    else:
+        if options.mode == "none":
+            make_room_before_loading(device, resident_bytes(layouts, dtype, weight_dtype))
+        model = load_expert_files(files, dtype, weight_dtype, boundary_ratio, device, offload=options)
+    hold(key, model)
+    cooperate(model, device).on_unload = forget_last
+    return model

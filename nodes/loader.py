@@ -19,6 +19,14 @@ from ..wanvace_core import (
     load_pipeline,
 )
 from ..wanvace_core.loading import file_stamps
+from ..wanvace_core.single_file import (
+    DEFAULT_BOUNDARY_RATIO,
+    find_original_folders,
+    inspect_expert_files,
+    is_original_folder,
+    original_folder_files,
+)
+from .experts_loader import load_held_experts
 from .held import forget_last, hold, reusable
 from .memory import cooperate, make_room_before_loading
 from .types import CATEGORY, WanVACEModelType, WanVACEOffloadType
@@ -36,7 +44,7 @@ def _model_roots() -> list[str]:
 def resolve_model_folder(model_name: str) -> str:
     for root in _model_roots():
         candidate = os.path.join(root, model_name)
-        if os.path.isfile(os.path.join(candidate, "model_index.json")):
+        if os.path.isfile(os.path.join(candidate, "model_index.json")) or is_original_folder(candidate):
             return candidate
     roots = ", ".join(_model_roots())
     raise WanVACEModelFolderError(
@@ -54,15 +62,17 @@ class WanVACEModelLoader(io.ComfyNode):
             category=CATEGORY,
             description=(
                 "Loads a diffusers-format WanVACE pipeline folder (Wan2.2-VACE-Fun-A14B with its high- and "
-                "low-noise experts, or a single-transformer Wan2.1-VACE) from models/diffusers. Only "
-                ".safetensors weights are read; tensors stream from the files straight into place."
+                "low-noise experts, or a single-transformer Wan2.1-VACE) from models/diffusers, or the original "
+                "alibaba-pai/Wan2.2-VACE-Fun-A14B release folder (with allow_pth_weights). Tensors stream from the "
+                "files straight into place."
             ),
             inputs=[
                 io.Combo.Input(
                     "model_name",
-                    options=find_pipeline_folders(_model_roots()),
-                    tooltip="A pipeline folder under models/diffusers that has a model_index.json naming "
-                    "WanVACEPipeline, e.g. Wan2.2-VACE-Fun-A14B-Diffusers.",
+                    options=sorted(find_pipeline_folders(_model_roots()) + find_original_folders(_model_roots())),
+                    tooltip="A pipeline folder under models/diffusers: a diffusers one (model_index.json naming "
+                    "WanVACEPipeline, e.g. Wan2.2-VACE-Fun-A14B-Diffusers) or the original Wan2.2-VACE-Fun-A14B "
+                    "release (high_noise_model/, low_noise_model/, Wan2.1_VAE.pth).",
                 ),
                 io.Combo.Input(
                     "dtype",
@@ -70,6 +80,15 @@ class WanVACEModelLoader(io.ComfyNode):
                     default="bf16",
                     tooltip="Weight and compute dtype. bf16 is what the model was trained in; fp32 doubles memory; "
                     "fp16 may overflow. Norms and time embeddings stay fp32 as diffusers keeps them.",
+                ),
+                io.Boolean.Input(
+                    "allow_pth_weights",
+                    default=False,
+                    optional=True,
+                    tooltip="Only the original alibaba-pai release needs this: its text encoder and VAE are .pth "
+                    "pickles. On: they are read with torch.load(weights_only=True), which refuses code objects but "
+                    "still parses the pickle, so only turn it on for files from a source you trust. Off: such folders "
+                    "are refused; diffusers folders and safetensors never need it.",
                 ),
                 WanVACEOffloadType.Input(
                     "offload",
@@ -83,22 +102,31 @@ class WanVACEModelLoader(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, model_name: str | None = None) -> bool | str:
-        # One argument only: ComfyUI lists a refusal under every argument of validate_inputs, and checks
-        # the other inputs (dtype's combo) itself.
+    def validate_inputs(cls, model_name: str | None = None, allow_pth_weights: bool = False) -> bool | str:
+        # ComfyUI lists a refusal under every argument of validate_inputs, and checks the other inputs (dtype's
+        # combo) itself; the pickle opt-in is here because whether a folder loads depends on it.
         if model_name is None:
             return True
         try:
-            inspect_pipeline_folder(resolve_model_folder(model_name))
+            folder = resolve_model_folder(model_name)
+            if is_original_folder(folder):
+                inspect_expert_files(original_folder_files(folder, allow_pth_weights))
+            else:
+                inspect_pipeline_folder(folder)
         except WanVACEModelFolderError as error:
             return str(error)
         return True
 
     @classmethod
-    def execute(cls, model_name: str, dtype: str, offload: OffloadOptions | None = None) -> io.NodeOutput:
+    def execute(
+        cls, model_name: str, dtype: str, allow_pth_weights: bool = False, offload: OffloadOptions | None = None
+    ) -> io.NodeOutput:
         device = comfy.model_management.get_torch_device()
         folder = resolve_model_folder(model_name)
         options = offload or OffloadOptions()
+        if is_original_folder(folder):
+            files = original_folder_files(folder, allow_pth_weights)
+            return io.NodeOutput(load_held_experts(files, dtype, "auto", DEFAULT_BOUNDARY_RATIO, device, options))
         if options.mode != "none" and device.type == "cpu":
             logger.warning(
                 "WanVACE offload mode %r on a CPU-only ComfyUI only adds copying; use mode 'none' there.", options.mode

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from .errors import WanVACEModelFolderError
-from .loading import DTYPES, fp32_module_names, set_tensor, stream_into
+from .loading import DTYPES, fp32_module_names, set_tensor
 from .model import WanVACEModel
 from .offload import OffloadOptions
 from .quantized import QuantizedLinear, WeightFormat, replace_linears
@@ -53,6 +53,8 @@ class ExpertFiles:
     low_noise_model: Path | None = None
     high_noise_vace_module: Path | None = None
     low_noise_vace_module: Path | None = None
+    tokenizer: Path | None = None  # a tokenizer folder, for text encoders that carry none
+    allow_pth: bool = False  # the user opted in to reading .pth files (weights-only)
 
 
 @dataclass(frozen=True)
@@ -114,22 +116,18 @@ def _tensor_for(placement: _Placement, device: torch.device) -> torch.Tensor:
     if entry.nbytes == 0:
         return target
     weight_format = placement.dequantize
-    transform, unit_bytes, unit_elements = None, None, 1
-    source_dtype = entry.dtype
-    if weight_format is not None and weight_format.kind == "gguf":
+    if weight_format is None:
+        file.copy_into(entry, target)
+    elif weight_format.kind == "gguf":
         import gguf
 
         block_size, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[weight_format.quant]]
-        unit_bytes, unit_elements = type_size, block_size
-        transform = lambda raw: weight_format.dequantize(raw, None, (-1,))  # noqa: E731
-    elif weight_format is not None:
-        scale = file.view(source.scale).to(torch.float32).reshape(()).clone()
-        source_dtype = weight_format.stored_dtype
-        transform = lambda values: weight_format.dequantize(values, scale, (-1,))  # noqa: E731
-    with open(file.path, "rb", buffering=0) as handle:
-        stream_into(
-            handle.fileno(), entry.offset, entry.nbytes, source_dtype, target, transform, unit_bytes, unit_elements
+        file.copy_into(
+            entry, target, lambda raw: weight_format.dequantize(raw, None, (-1,)), unit=(type_size, block_size)
         )
+    else:
+        scale = file.view(source.scale).to(torch.float32).reshape(()).clone()
+        file.copy_into(entry, target, lambda values: weight_format.dequantize(values, scale, (-1,)))
     return target
 
 
@@ -204,18 +202,19 @@ def file_stamps(layouts: dict[str, Layout]) -> dict[str, tuple[int, int]]:
     return {str(file.path): file.stamp for layout in layouts.values() for file in layout.files}
 
 
-def _tokenizer(text_encoder: Path, layout: Layout):
+def _tokenizer(text_encoder: Path, layout: Layout, folder: Path | None):
     spiece = layout.extra.get("spiece_model")
     if spiece is not None:
         file = layout.files[0]
         model_bytes = bytes(file.view(spiece).numpy().tobytes())
         file.release()
         return t5_tokenizer_from_sentencepiece(model_bytes, f"The spiece_model tensor of {text_encoder}")
-    for folder in (text_encoder.parent / f"{text_encoder.stem}_tokenizer", text_encoder.parent / "tokenizer"):
-        if (folder / "tokenizer.json").is_file() or (folder / "spiece.model").is_file():
+    candidates = [text_encoder.parent / f"{text_encoder.stem}_tokenizer", text_encoder.parent / "tokenizer"]
+    for candidate in ([folder] if folder is not None else []) + candidates:
+        if (candidate / "tokenizer.json").is_file() or (candidate / "spiece.model").is_file():
             from transformers import T5TokenizerFast
 
-            return T5TokenizerFast.from_pretrained(folder)
+            return T5TokenizerFast.from_pretrained(candidate)
     raise WanVACEModelFolderError(
         f"text_encoder={text_encoder.name} carries no tokenizer (no 'spiece_model' tensor) and none lies beside it; "
         f"use ComfyUI's umt5_xxl_fp16 / umt5_xxl_fp8_e4m3fn_scaled, or put the google/umt5-xxl tokenizer files "
@@ -223,20 +222,38 @@ def _tokenizer(text_encoder: Path, layout: Layout):
     )
 
 
+def _open_expert(path: Path | None, allow_pth: bool) -> list | None:
+    """A file, or a folder of shards (`*.safetensors`, listed by an index file if there is one)."""
+    if path is None:
+        return None
+    path = Path(path)
+    if not path.is_dir():
+        return [open_weight_file(path, allow_pth)]
+    indexes = sorted(path.glob("*.safetensors.index.json"))
+    if indexes:
+        import json
+
+        names = sorted(set(json.loads(indexes[0].read_text()).get("weight_map", {}).values()))
+        shards = [path / name for name in names]
+    else:
+        shards = sorted(path.glob("*.safetensors"))
+    if not shards:
+        raise WanVACEModelFolderError(f"{path} holds no .safetensors shards; finish the download of this folder.")
+    return [open_weight_file(shard) for shard in shards]
+
+
 def inspect_expert_files(files: ExpertFiles) -> dict[str, Layout]:
     """Reads every header and checks the files fit together; cheap (no tensor data), raises naming the file."""
-    high = expert_layout(
-        open_weight_file(files.high_noise_model),
-        None if files.high_noise_vace_module is None else open_weight_file(files.high_noise_vace_module),
-        "high_noise_model",
-    )
+
+    def expert(model: Path, module: Path | None, label: str) -> Layout:
+        return expert_layout(
+            _open_expert(model, files.allow_pth), _open_expert(module, files.allow_pth), label, model.name
+        )
+
+    high = expert(Path(files.high_noise_model), files.high_noise_vace_module, "high_noise_model")
     layouts = {"transformer": high}
     if files.low_noise_model is not None:
-        low = expert_layout(
-            open_weight_file(files.low_noise_model),
-            None if files.low_noise_vace_module is None else open_weight_file(files.low_noise_vace_module),
-            "low_noise_model",
-        )
+        low = expert(Path(files.low_noise_model), files.low_noise_vace_module, "low_noise_model")
         if low.config != high.config:
             differing = sorted(key for key in high.config if high.config[key] != low.config.get(key))
             shown = ", ".join(f"{key} {high.config[key]} vs {low.config[key]}" for key in differing[:3])
@@ -246,14 +263,14 @@ def inspect_expert_files(files: ExpertFiles) -> dict[str, Layout]:
                 "release (e.g. both Wan2.2-VACE-Fun-A14B)."
             )
         layouts["transformer_2"] = low
-    text = umt5_layout(open_weight_file(files.text_encoder))
+    text = umt5_layout(open_weight_file(files.text_encoder, files.allow_pth))
     if text.config["d_model"] != high.config["text_dim"]:
         raise WanVACEModelFolderError(
             f"text_encoder={files.text_encoder.name} gives {text.config['d_model']}-wide embeddings, the experts take "
             f"{high.config['text_dim']}; Wan uses umt5-xxl (4096): choose umt5_xxl_fp16 or umt5_xxl_fp8_e4m3fn_scaled."
         )
     layouts["text_encoder"] = text
-    layouts["vae"] = vae_layout(open_weight_file(files.vae))
+    layouts["vae"] = vae_layout(open_weight_file(files.vae, files.allow_pth))
     return layouts
 
 
@@ -287,7 +304,7 @@ def load_expert_files(
         # The text encoder stays plain: transformers' T5 casts activations to its `wo` weight dtype.
         keep = name in ("transformer", "transformer_2")
         modules[name], placements[name] = _load(layout, torch_dtype, weight_dtype, load_device, keep)
-    tokenizer = _tokenizer(Path(files.text_encoder), layouts["text_encoder"])
+    tokenizer = _tokenizer(Path(files.text_encoder), layouts["text_encoder"], files.tokenizer)
     from diffusers import UniPCMultistepScheduler
 
     scheduler_config = dict(UniPCMultistepScheduler(**SCHEDULER_CONFIG).config)
@@ -328,3 +345,50 @@ def resident_bytes(layouts: dict[str, Layout], dtype: str, weight_dtype: str) ->
             else:
                 total += math.prod(entry.shape) * (storage if len(entry.shape) == 2 else compute)
     return total
+
+
+# The original alibaba-pai/Wan2.2-VACE-Fun-A14B release (VideoX-Fun): expert folders named by noise level,
+# the Wan T5 and VAE as .pth, and the umt5 tokenizer.
+ORIGINAL_TEXT_ENCODER = "models_t5_umt5-xxl-enc-bf16.pth"
+ORIGINAL_VAE = "Wan2.1_VAE.pth"
+ORIGINAL_TOKENIZER = Path("google") / "umt5-xxl"
+
+
+def is_original_folder(path: str | Path) -> bool:
+    path = Path(path)
+    return (
+        (path / "high_noise_model").is_dir() and (path / "low_noise_model").is_dir() and (path / ORIGINAL_VAE).exists()
+    )
+
+
+def original_folder_files(path: str | Path, allow_pth: bool) -> ExpertFiles:
+    """The `ExpertFiles` of an original Wan2.2-VACE-Fun-A14B folder; its .pth files are read only with `allow_pth`."""
+    path = Path(path)
+    text_encoders = sorted(path.glob("models_t5_*.pth")) or [path / ORIGINAL_TEXT_ENCODER]
+    if not allow_pth:
+        raise WanVACEModelFolderError(
+            f"{path} is the original Wan2.2-VACE-Fun-A14B release, whose text encoder and VAE are .pth pickles "
+            f"({text_encoders[0].name}, {ORIGINAL_VAE}). Turn on allow_pth_weights to read them weights-only (only "
+            "for files from a source you trust), or use WanVACE Experts Loader with ComfyUI's umt5_xxl and "
+            "wan_2.1_vae safetensors over this folder's expert folders."
+        )
+    return ExpertFiles(
+        high_noise_model=path / "high_noise_model",
+        low_noise_model=path / "low_noise_model",
+        text_encoder=text_encoders[0],
+        vae=path / ORIGINAL_VAE,
+        tokenizer=path / ORIGINAL_TOKENIZER,
+        allow_pth=True,
+    )
+
+
+def find_original_folders(roots) -> list[str]:
+    """Names of sub-folders (relative to one of `roots`) that hold an original Wan2.2-VACE-Fun release, sorted."""
+    found: set[str] = set()
+    for root in roots:
+        root = Path(root)
+        if root.is_dir():
+            for vae in root.glob(f"**/{ORIGINAL_VAE}"):
+                if is_original_folder(vae.parent):
+                    found.add(vae.parent.relative_to(root).as_posix())
+    return sorted(found)

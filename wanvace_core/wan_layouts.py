@@ -171,29 +171,34 @@ def _block_count(names, prefix: str) -> int:
     return max(indices) + 1 if indices else 0
 
 
-def _expert_part(file: WeightFile) -> tuple[dict[str, Source], str]:
-    """The diffusers-named sources of one expert file (whole expert, T2V base or VACE-only module)."""
+def _expert_part(files: list[WeightFile], where: str) -> tuple[dict[str, Source], str]:
+    """The diffusers-named sources of one expert (one file or shards): whole expert, T2V base or VACE-only module."""
     from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 
-    names = _strip_prefix(file)
-    scales = _ScaledFp8(file, names)
-    weights = {
-        name: entry for name, entry in names.items() if name != "scaled_fp8" and not name.endswith(scales.auxiliary)
-    }
-    if _is_diffusers_transformer(weights):
-        renamed = {name: name for name in weights}
-    else:
-        if not any(name.startswith(("blocks.", "vace_blocks.")) for name in weights):
-            raise WanVACEModelFolderError(
-                f"{file.path} is not a Wan model (no 'blocks.N' or 'vace_blocks.N' tensors); pick a Wan2.2-VACE-Fun "
-                "expert (diffusion_models/wan2.2_fun_vace_*), or a Wan2.2-T2V expert with a VACE module."
-            )
-        # The converter only renames for these models: run it over the names, its values are our keys.
-        renamed = convert_wan_transformer_to_diffusers({name: name for name in weights})
-    has_base = any(name.startswith("blocks.") for name in weights)
-    has_vace = any(name.startswith(_VACE_KEYS) for name in weights)
+    sources: dict[str, Source] = {}
+    all_names: set[str] = set()
+    for file in files:
+        names = _strip_prefix(file)
+        scales = _ScaledFp8(file, names)
+        weights = {
+            name: entry for name, entry in names.items() if name != "scaled_fp8" and not name.endswith(scales.auxiliary)
+        }
+        all_names |= set(weights)
+        if _is_diffusers_transformer(weights):
+            renamed = {name: name for name in weights}
+        else:
+            # The converter only renames for these models: run it over the names, its values are our keys.
+            renamed = convert_wan_transformer_to_diffusers({name: name for name in weights})
+        sources.update(_sources(file, renamed, names, scales))
+    if not any(name.startswith(("blocks.", "vace_blocks.")) for name in all_names):
+        raise WanVACEModelFolderError(
+            f"{where} is not a Wan model (no 'blocks.N' or 'vace_blocks.N' tensors); pick a Wan2.2-VACE-Fun expert "
+            "(diffusion_models/wan2.2_fun_vace_*), or a Wan2.2-T2V expert with a VACE module."
+        )
+    has_base = any(name.startswith("blocks.") for name in all_names)
+    has_vace = any(name.startswith(_VACE_KEYS) for name in all_names)
     kind = "expert" if has_base and has_vace else ("base" if has_base else "vace")
-    return _sources(file, renamed, names, scales), kind
+    return sources, kind
 
 
 def _infer_transformer_config(sources: dict[str, Source], where: str) -> dict:
@@ -233,42 +238,73 @@ def _infer_transformer_config(sources: dict[str, Source], where: str) -> dict:
     return config
 
 
-def expert_layout(model: WeightFile, vace_module: WeightFile | None, label: str) -> Layout:
-    """The WanVACETransformer3DModel of one expert file, or of a T2V expert plus a VACE-only module."""
+def expert_layout(model: list[WeightFile], vace_module: list[WeightFile] | None, label: str, name: str) -> Layout:
+    """The WanVACETransformer3DModel of one expert (a file, or shards), or of a T2V expert plus a VACE-only module."""
     from diffusers import WanVACETransformer3DModel
 
-    sources, kind = _expert_part(model)
+    sources, kind = _expert_part(model, f"{label}={name}")
     if kind == "vace":
         raise WanVACEModelFolderError(
-            f"{label}={model.path.name} is a VACE module only (no base blocks); choose the Wan2.2-T2V expert as "
+            f"{label}={name} is a VACE module only (no base blocks); choose the Wan2.2-T2V expert as "
             f"{label} and this file as the {label}'s VACE module."
         )
-    files = [model]
+    files = list(model)
     if vace_module is not None:
-        module_sources, module_kind = _expert_part(vace_module)
+        module_name = vace_module[0].path.name
+        module_sources, module_kind = _expert_part(vace_module, f"The VACE module for {label}, {module_name},")
         if module_kind != "vace":
             raise WanVACEModelFolderError(
-                f"The VACE module for {label}, {vace_module.path.name}, holds base blocks too; it is a whole expert. "
+                f"The VACE module for {label}, {module_name}, holds base blocks too; it is a whole expert. "
                 f"Choose it as {label} and leave the VACE module input empty."
             )
         if kind == "expert":
             raise WanVACEModelFolderError(
-                f"{label}={model.path.name} already has VACE blocks; leave its VACE module input empty, or choose "
+                f"{label}={name} already has VACE blocks; leave its VACE module input empty, or choose "
                 "the Wan2.2-T2V expert under it."
             )
         sources.update(module_sources)
-        files.append(vace_module)
+        files += vace_module
     elif kind == "base":
         raise WanVACEModelFolderError(
-            f"{label}={model.path.name} is a Wan text-to-video expert without VACE blocks; choose a Wan2.2-VACE-Fun "
+            f"{label}={name} is a Wan text-to-video expert without VACE blocks; choose a Wan2.2-VACE-Fun "
             f"expert, or add the matching VACE module (Wan2_2_Fun_VACE_module_A14B_*) as the {label}'s VACE module."
         )
-    config = _infer_transformer_config(sources, f"{label}={model.path.name}")
-    return Layout(WanVACETransformer3DModel, config, sources, tuple(files), f"{label} ({model.path.name})")
+    config = _infer_transformer_config(sources, f"{label}={name}")
+    return Layout(WanVACETransformer3DModel, config, sources, tuple(files), f"{label} ({name})")
+
+
+# The original Wan T5 encoder (models_t5_umt5-xxl-enc-bf16.pth) -> transformers' T5 names, per block.
+_WAN_T5_BLOCK_NAMES = {
+    "norm1.weight": "layer.0.layer_norm.weight",
+    "attn.q.weight": "layer.0.SelfAttention.q.weight",
+    "attn.k.weight": "layer.0.SelfAttention.k.weight",
+    "attn.v.weight": "layer.0.SelfAttention.v.weight",
+    "attn.o.weight": "layer.0.SelfAttention.o.weight",
+    "pos_embedding.embedding.weight": "layer.0.SelfAttention.relative_attention_bias.weight",
+    "norm2.weight": "layer.1.layer_norm.weight",
+    "ffn.gate.0.weight": "layer.1.DenseReluDense.wi_0.weight",  # the GELU-gated branch
+    "ffn.fc1.weight": "layer.1.DenseReluDense.wi_1.weight",
+    "ffn.fc2.weight": "layer.1.DenseReluDense.wo.weight",
+}
+
+
+def _wan_t5_names(weights) -> dict[str, str]:
+    renamed = {}
+    for name in weights:
+        if name == "token_embedding.weight":
+            renamed["shared.weight"] = name
+        elif name == "norm.weight":
+            renamed["encoder.final_layer_norm.weight"] = name
+        elif match := re.match(r"blocks\.(\d+)\.(.+)$", name):
+            inner = _WAN_T5_BLOCK_NAMES.get(match.group(2))
+            renamed[f"encoder.block.{match.group(1)}.{inner}" if inner else name] = name
+        else:
+            renamed[name] = name  # unknown: refused later as a tensor the model lacks
+    return renamed
 
 
 def umt5_layout(file: WeightFile) -> Layout:
-    """ComfyUI's umt5_xxl_*.safetensors (transformers' T5 names) -> UMT5EncoderModel."""
+    """ComfyUI's umt5_xxl_*.safetensors (transformers' T5 names) or the original Wan T5 .pth -> UMT5EncoderModel."""
     from transformers import UMT5Config, UMT5EncoderModel
 
     names = _strip_prefix(file)
@@ -278,19 +314,20 @@ def umt5_layout(file: WeightFile) -> Layout:
         for name, entry in names.items()
         if name not in ("scaled_fp8", "spiece_model") and not name.endswith(scales.auxiliary)
     }
-    shapes = {name: entry.shape for name, entry in weights.items()}
     where = f"text_encoder={file.path.name}"
-    if "shared.weight" not in shapes and "encoder.embed_tokens.weight" not in shapes:
+    if not {"shared.weight", "encoder.embed_tokens.weight", "token_embedding.weight"} & set(weights):
         raise WanVACEModelFolderError(
             f"{where} is not a umt5 text encoder (no 'shared.weight'); choose umt5_xxl_fp16 or "
             "umt5_xxl_fp8_e4m3fn_scaled from models/text_encoders."
         )
-    renamed = {name: name for name in weights}
+    renamed = _wan_t5_names(weights) if "token_embedding.weight" in weights else {name: name for name in weights}
     if "shared.weight" not in renamed:
         renamed["shared.weight"] = "encoder.embed_tokens.weight"
-    renamed.pop("encoder.embed_tokens.weight", None)  # tied to shared.weight
+    if renamed.get("encoder.embed_tokens.weight") is not None:
+        renamed.pop("encoder.embed_tokens.weight")  # tied to shared.weight
+    shapes = {key: weights[original].shape for key, original in renamed.items()}
     try:
-        vocab, d_model = shapes[renamed["shared.weight"]]
+        vocab, d_model = shapes["shared.weight"]
         bias = shapes["encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"]
         num_heads = bias[1]
         config = {

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,9 +74,64 @@ class WeightFile:
             raw = raw.clone()  # unaligned: a view of another dtype cannot start here
         return raw.view(entry.dtype).view(entry.storage_shape)
 
+    def copy_into(self, entry: StoredTensor, target: torch.Tensor, transform=None, unit=(None, 1)) -> None:
+        """Casts (or `transform`s) the stored values of `entry` into `target`, one unmapped-after-use window at a time.
+
+        `unit` = (stored bytes, target elements) of one quantisation block; windows hold whole blocks.
+        """
+        from .loading import stream_into
+
+        unit_bytes, unit_elements = unit
+        with open(self.path, "rb", buffering=0) as handle:
+            stream_into(
+                handle.fileno(), entry.offset, entry.nbytes, entry.dtype, target, transform, unit_bytes, unit_elements
+            )
+
     def release(self) -> None:
         """Forgets the mapping (tensors viewing it keep it alive until they go)."""
         self._storage = None
+
+
+_PICKLE_WINDOW_ELEMENTS = 16 * 1024 * 1024
+
+
+class PickleWeightFile(WeightFile):
+    """A `.pth` state dict, read only on the user's request with `torch.load(weights_only=True, mmap=True)`.
+
+    weights_only refuses code objects, and mmap keeps the tensors in the file's pages (no private copy);
+    what is read stays in the page cache rather than being unmapped window by window.
+    """
+
+    def __init__(self, path: Path) -> None:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as error:
+            raise WanVACEModelFolderError(
+                f"{path} could not be read as a weights-only PyTorch checkpoint ({type(error).__name__}: {error}); "
+                f"{_REMEDY}."
+            ) from error
+        if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
+            state = state["state_dict"]
+        if not isinstance(state, dict) or not all(isinstance(value, torch.Tensor) for value in state.values()):
+            raise WanVACEModelFolderError(f"{path} does not hold a plain state dict of tensors; {_REMEDY}.")
+        self._tensors = state
+        tensors = {
+            name: StoredTensor(name, tuple(value.shape), value.dtype, 0, value.numel() * value.element_size())
+            for name, value in state.items()
+        }
+        super().__init__(path, "pth", {}, tensors)
+
+    def view(self, entry: StoredTensor) -> torch.Tensor:
+        return self._tensors[entry.name]
+
+    def copy_into(self, entry: StoredTensor, target: torch.Tensor, transform=None, unit=(None, 1)) -> None:
+        source, flat = self._tensors[entry.name].reshape(-1), target.view(-1)
+        for start in range(0, source.numel(), _PICKLE_WINDOW_ELEMENTS):
+            values = source[start : start + _PICKLE_WINDOW_ELEMENTS]
+            flat[start : start + values.numel()].copy_(values if transform is None else transform(values).reshape(-1))
+
+    def release(self) -> None:
+        pass  # the tensors are the mapping; they go with this object
 
 
 def _safetensors_file(path: Path) -> WeightFile:
@@ -168,16 +224,27 @@ def _gguf_file(path: Path) -> WeightFile:
     return WeightFile(path, "gguf", metadata, tensors)
 
 
-def open_weight_file(path: str | Path) -> WeightFile:
-    """Reads the header of a `.safetensors` or `.gguf` weight file; raises naming the file and the fix."""
+PICKLE_SUFFIXES = (".pth", ".pt", ".ckpt", ".bin")
+
+
+def open_weight_file(path: str | Path, allow_pickle: bool = False) -> WeightFile:
+    """Reads the header of a `.safetensors` or `.gguf` weight file; raises naming the file and the fix.
+
+    `.pth` files are read only with `allow_pickle` (the user opted in), and then weights-only.
+    """
     path = Path(path)
     if not path.is_file():
         raise WanVACEModelFolderError(f"Weight file {path} does not exist; put it there or pick another file.")
-    if path.suffix.lower() == ".gguf":
+    suffix = path.suffix.lower()
+    if suffix == ".gguf":
         return _gguf_file(path)
-    if path.suffix.lower() == ".safetensors":
+    if suffix in (".safetensors", ".sft"):
         return _safetensors_file(path)
+    if suffix in PICKLE_SUFFIXES and allow_pickle:
+        return PickleWeightFile(path)
     raise WanVACEModelFolderError(
-        f"{path} is neither .safetensors nor .gguf; pickle checkpoints (.pth, .ckpt, .pt, .bin) can run code when "
-        "loaded and are refused here: use the .safetensors or .gguf release."
+        f"{path} is a pickle checkpoint ({suffix}), which can run code when loaded and is refused; use the "
+        ".safetensors or .gguf release, or turn on allow_pth_weights if you trust this file."
+        if suffix in PICKLE_SUFFIXES
+        else f"{path} is neither .safetensors nor .gguf; pick a weight file of one of those formats."
     )
