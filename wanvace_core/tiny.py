@@ -40,6 +40,7 @@ class TinyModelSpec:
     text_dim: int = 32
     text_layers: int = 2
     text_max_distance: int = 32
+    text_buckets: int = 8
     vae_base_dim: int = 8
     vae_dim_mult: tuple[int, ...] = (1, 1, 1, 1)
     vae_num_res_blocks: int = 1
@@ -50,12 +51,13 @@ class TinyModelSpec:
 
 
 # Shaped as ComfyUI infers a Wan model from its keys (head dim 128, text dim 4096, a 2.1 VAE with
-# dim_mult [1, 2, 4, 4] and 2 residual blocks, umt5's relative-attention distance 128), so ComfyUI's own
+# dim_mult [1, 2, 4, 4] and 2 residual blocks, umt5's 32 relative-attention buckets and distance 128), so ComfyUI's own
 # loaders accept the single files written from it.
 COMFY_SHAPED = TinyModelSpec(
     attention_head_dim=128,
     text_dim=4096,
     text_max_distance=128,
+    text_buckets=32,
     vae_dim_mult=(1, 2, 4, 4),
     vae_num_res_blocks=2,
 )
@@ -110,7 +112,7 @@ def build_tiny_components(spec: TinyModelSpec = TinyModelSpec()) -> dict:
                 d_ff=64,
                 num_layers=spec.text_layers,
                 num_heads=2,
-                relative_attention_num_buckets=8,
+                relative_attention_num_buckets=spec.text_buckets,
                 relative_attention_max_distance=spec.text_max_distance,
                 pad_token_id=tokenizer.pad_token_id,
                 eos_token_id=tokenizer.eos_token_id,
