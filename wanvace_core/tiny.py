@@ -51,8 +51,8 @@ class TinyModelSpec:
 
 
 # Shaped as ComfyUI infers a Wan model from its keys (head dim 128, text dim 4096, a 2.1 VAE with
-# dim_mult [1, 2, 4, 4] and 2 residual blocks, umt5's 32 relative-attention buckets and distance 128), so ComfyUI's own
-# loaders accept the single files written from it.
+# dim_mult [1, 2, 4, 4] and 2 residual blocks, umt5's 32 relative-attention buckets and distance 128),
+# so ComfyUI's own loaders accept the single files written from it.
 COMFY_SHAPED = TinyModelSpec(
     attention_head_dim=128,
     text_dim=4096,
