@@ -71,13 +71,18 @@ def _stored_format(source: Source) -> WeightFormat | None:
     if source.entry.quant is not None:
         return WeightFormat("gguf", torch.uint8, source.entry.quant)
     if source.scale is not None:
-        return WeightFormat("scaled_fp8", _FP8_DTYPES[source.fp8_format])
+        # The tensor's own fp8 dtype wins; fp8 stored as raw bytes (U8) takes the layer's declared format.
+        stored = source.entry.dtype if source.entry.dtype in _FP8_DTYPES.values() else _FP8_DTYPES[source.fp8_format]
+        return WeightFormat("scaled_fp8", stored)
     return None
 
 
 def _plan(layout: Layout, module: torch.nn.Module, dtype: torch.dtype, weight_dtype: str, keep_quantized: bool):
     """Decides, per state-dict key, what is kept stored and what is cast or dequantised to which dtype."""
     fp32_names = fp32_module_names(module, dtype)
+    # Modules the library keeps in fp32 are never kept quantised: diffusers reads their weight dtype to cast
+    # inputs (the time embedder), whatever the compute dtype.
+    fp32_kept = fp32_module_names(module, torch.bfloat16)
     linears = {name for name, child in module.named_modules() if isinstance(child, torch.nn.Linear)}
     storage = dtype if weight_dtype == "auto" else DTYPES[weight_dtype]
     placements: dict[str, _Placement] = {}
@@ -86,7 +91,8 @@ def _plan(layout: Layout, module: torch.nn.Module, dtype: torch.dtype, weight_dt
         stored = _stored_format(source)
         owner = key.rpartition(".")[0]
         keep_fp32 = any(part in fp32_names for part in key.split("."))
-        is_linear_weight = key.endswith(".weight") and owner in linears and not keep_fp32 and keep_quantized
+        protected = any(part in fp32_kept for part in key.split("."))
+        is_linear_weight = key.endswith(".weight") and owner in linears and not protected and keep_quantized
         if not source.entry.dtype.is_floating_point and stored is None:
             placements[key] = _Placement(source, source.entry.dtype)
         elif keep_fp32:
