@@ -16,13 +16,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from tests.original_release import wan_t5_state_dict, write_original_release
 from tests.single_files import (
     PREFIX,
     comfy_components,
     fp8_tolerance,
     non_wan_file,
-    original_wan_state_dict,
-    original_wan_vae_state_dict,
     truncate_copy,
     write_comfy_models,
     write_expert,
@@ -359,37 +358,11 @@ def _read(path):
     return load_file(str(path))
 
 
-def _wan_t5_state_dict(text_encoder) -> dict[str, torch.Tensor]:
-    """transformers' UMT5 encoder -> the original Wan T5 names (wan/modules/t5.py: T5Encoder)."""
-    inner = {
-        "layer.0.layer_norm.weight": "norm1.weight",
-        "layer.0.SelfAttention.q.weight": "attn.q.weight",
-        "layer.0.SelfAttention.k.weight": "attn.k.weight",
-        "layer.0.SelfAttention.v.weight": "attn.v.weight",
-        "layer.0.SelfAttention.o.weight": "attn.o.weight",
-        "layer.0.SelfAttention.relative_attention_bias.weight": "pos_embedding.embedding.weight",
-        "layer.1.layer_norm.weight": "norm2.weight",
-        "layer.1.DenseReluDense.wi_0.weight": "ffn.gate.0.weight",
-        "layer.1.DenseReluDense.wi_1.weight": "ffn.fc1.weight",
-        "layer.1.DenseReluDense.wo.weight": "ffn.fc2.weight",
-    }
-    out = {}
-    for key, value in text_encoder.state_dict().items():
-        if key == "shared.weight":
-            out["token_embedding.weight"] = value
-        elif key == "encoder.final_layer_norm.weight":
-            out["norm.weight"] = value
-        elif key.startswith("encoder.block."):
-            index, rest = key[len("encoder.block.") :].split(".", 1)
-            out[f"blocks.{index}.{inner[rest]}"] = value
-    return {k: v.clone() for k, v in out.items()}
-
-
 def test_wan_t5_feed_forward_names_mean_what_wan_computes(components):
     """Wan's T5FeedForward computes fc2(fc1(x) * gelu_tanh(gate.0(x))); our name mapping must make
     transformers' gated FFN compute exactly that (a swapped gate/fc1 would not)."""
     encoder = components["text_encoder"]
-    wan = _wan_t5_state_dict(encoder)
+    wan = wan_t5_state_dict(encoder)
     x = torch.randn(1, 3, encoder.config.d_model)
     gate = torch.nn.functional.gelu(x @ wan["blocks.0.ffn.gate.0.weight"].T, approximate="tanh")
     expected = (x @ wan["blocks.0.ffn.fc1.weight"].T * gate) @ wan["blocks.0.ffn.fc2.weight"].T
@@ -397,33 +370,11 @@ def test_wan_t5_feed_forward_names_mean_what_wan_computes(components):
     torch.testing.assert_close(ffn(x), expected, rtol=1e-5, atol=1e-6)
 
 
-def _write_original_release(root, components, folder) -> None:
-    """alibaba-pai/Wan2.2-VACE-Fun-A14B's layout: sharded expert folders in the original Wan names, the Wan
-    T5 and VAE as .pth, the umt5 tokenizer under google/umt5-xxl."""
-    for name, component in (("high_noise_model", "transformer"), ("low_noise_model", "transformer_2")):
-        state = {k: v.clone().contiguous() for k, v in original_wan_state_dict(components[component]).items()}
-        keys = sorted(state)
-        half = len(keys) // 2
-        expert = root / name
-        expert.mkdir(parents=True)
-        shards = {"diffusion_pytorch_model-00001-of-00002.safetensors": keys[:half]}
-        shards["diffusion_pytorch_model-00002-of-00002.safetensors"] = keys[half:]
-        for shard, shard_keys in shards.items():
-            save_file({k: state[k] for k in shard_keys}, str(expert / shard))
-        weight_map = {k: shard for shard, shard_keys in shards.items() for k in shard_keys}
-        (expert / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-        (expert / "config.json").write_text(json.dumps({"_class_name": "VaceWanTransformer3DModel"}))
-    torch.save(_wan_t5_state_dict(components["text_encoder"]), root / "models_t5_umt5-xxl-enc-bf16.pth")
-    vae = {k: v.clone().contiguous() for k, v in original_wan_vae_state_dict(components["vae"]).items()}
-    torch.save(vae, root / "Wan2.1_VAE.pth")
-    shutil.copytree(folder / "tokenizer", root / "google" / "umt5-xxl")
-
-
 def test_original_release_folder_needs_the_pth_opt_in_and_then_equals_the_folder(
     tmp_path, components, folder, reference
 ):
     release = tmp_path / "models" / "Wan2.2-VACE-Fun-A14B"
-    _write_original_release(release, components, folder)
+    write_original_release(release, components)
     assert find_original_folders([tmp_path / "models"]) == ["Wan2.2-VACE-Fun-A14B"]
     with pytest.raises(WanVACEModelFolderError, match="allow_pth_weights"):
         original_folder_files(release, allow_pth=False)

@@ -30,8 +30,44 @@ TASK_PROMPTS = {
 }
 TASKS = tuple(TASK_PROMPTS)
 CACHE_VARIANT = "_cache"
-# Every shipped workflow: one per task, plus variants with the Cache-DiT node.
-WORKFLOWS = (*TASKS, "v2v" + CACHE_VARIANT)
+# Variants that load the single files ComfyUI users have with WanVACE Experts Loader.
+FP8_VARIANT, GGUF_VARIANT = "_fp8", "_gguf"
+VARIANTS = (CACHE_VARIANT, FP8_VARIANT, GGUF_VARIANT)
+# Every shipped workflow: one per task, plus variants with the Cache-DiT node and the single-file loader.
+WORKFLOWS = (*TASKS, "v2v" + CACHE_VARIANT, "i2v" + FP8_VARIANT, "t2v" + GGUF_VARIANT)
+# The files each single-file variant names (Comfy-Org's repackaged fp8 experts, umt5 and VAE; city96-style
+# GGUF experts as QuantStack publishes them). The integration suite writes tiny files under these names.
+SINGLE_FILES = {
+    FP8_VARIANT: {
+        "high_noise_model": "wan2.2_fun_vace_high_noise_14B_fp8_scaled.safetensors",
+        "low_noise_model": "wan2.2_fun_vace_low_noise_14B_fp8_scaled.safetensors",
+        "text_encoder": "umt5_xxl_fp8_e4m3fn_scaled.safetensors",
+        "vae": "wan_2.1_vae.safetensors",
+    },
+    GGUF_VARIANT: {
+        "high_noise_model": "Wan2.2-VACE-Fun-A14B-HighNoise-Q8_0.gguf",
+        "low_noise_model": "Wan2.2-VACE-Fun-A14B-LowNoise-Q8_0.gguf",
+        "text_encoder": "umt5_xxl_fp8_e4m3fn_scaled.safetensors",
+        "vae": "wan_2.1_vae.safetensors",
+    },
+}
+
+
+def task_of(name: str) -> str:
+    """The VACE task of a shipped workflow name (its variant suffix removed)."""
+    for variant in VARIANTS:
+        if name.endswith(variant):
+            return name.removesuffix(variant)
+    return name
+
+
+def variant_of(name: str) -> str:
+    return name[len(task_of(name)) :]
+
+
+def loader_class(name: str) -> str:
+    return "WanVACEExpertsLoader" if variant_of(name) in SINGLE_FILES else "WanVACEModelLoader"
+
 
 # What the template browser shows: ComfyUI's frontend (1.32 and 1.49) titles a custom node pack's
 # template with its file name, so the UI files are named `<title>.json` (thumbnail `<title>.jpg`).
@@ -45,6 +81,8 @@ WORKFLOW_TITLES = {
     "outpaint": "WanVACE - Outpaint Video",
     "extension": "WanVACE - Extend Video",
     "v2v" + CACHE_VARIANT: "WanVACE - Cached Control Video",
+    "i2v" + FP8_VARIANT: "WanVACE - Image to Video (fp8 single files)",
+    "t2v" + GGUF_VARIANT: "WanVACE - Text to Video (GGUF, low VRAM)",
 }
 # The example input files each workflow names (shipped in example_inputs/).
 EXAMPLE_INPUTS = {
@@ -153,7 +191,7 @@ def _keep_mask(graph: _Graph, group: str, column: int) -> str:
 
 def _note(name: str) -> str:
     """The Markdown note of a workflow: where the model goes, what to replace, what comes out."""
-    task = name.removesuffix(CACHE_VARIANT)
+    task = task_of(name)
     ex = {key: f"`{file}`" for key, file in EXAMPLE_INPUTS.items()}
     replace = {
         "i2v": f"**first frame** ({ex['first']}): your start image.",
@@ -165,15 +203,25 @@ def _note(name: str) -> str:
         "outpaint": f"**source video** ({ex['source']}); **Pad Image for Outpainting** sets how far to extend.",
         "extension": f"**clip to extend** ({ex['source']}): its first {EXTENSION_GIVEN_FRAMES} frames are kept.",
     }
-    lines = [
-        f"## {WORKFLOW_TITLES[name]}",
-        "",
-        f"**1. Model:** put [{REAL_MODEL}]({MODEL_URL}) (safetensors) in "
-        f"`ComfyUI/models/diffusers/{REAL_MODEL}/` with its `model_index.json`, `transformer/`, "
-        "`transformer_2/`, `text_encoder/`, `tokenizer/`, `vae/` and `scheduler/`, then pick it in "
-        "**WanVACE Model Loader** (a Wan2.1-VACE diffusers folder works too).",
-        "",
-    ]
+    files = SINGLE_FILES.get(variant_of(name))
+    if files is None:
+        model = (
+            f"**1. Model:** put [{REAL_MODEL}]({MODEL_URL}) (safetensors) in "
+            f"`ComfyUI/models/diffusers/{REAL_MODEL}/` with its `model_index.json`, `transformer/`, "
+            "`transformer_2/`, `text_encoder/`, `tokenizer/`, `vae/` and `scheduler/`, then pick it in "
+            "**WanVACE Model Loader** (a Wan2.1-VACE diffusers folder works too)."
+        )
+    else:
+        kind = "fp8 (Comfy-Org's repackaged files)" if variant_of(name) == FP8_VARIANT else "GGUF"
+        model = (
+            f"**1. Model ({kind}):** put `{files['high_noise_model']}` and `{files['low_noise_model']}` in "
+            f"`ComfyUI/models/diffusion_models/`, `{files['text_encoder']}` in `models/text_encoders/` and "
+            f"`{files['vae']}` in `models/vae/` (the files ComfyUI's own Wan templates use), then pick them in "
+            "**WanVACE Experts Loader**. bf16/fp16 experts, other GGUF quantisations (Q4_K_M, Q5_K_M, ...) and a "
+            "Wan2.2-T2V expert plus Kijai's VACE module work too; `weight_dtype` auto keeps fp8/GGUF weights "
+            "quantised in memory."
+        )
+    lines = [f"## {WORKFLOW_TITLES[name]}", "", model, ""]
     if task in replace:
         lines += [
             f"**2. Inputs:** replace the example files with yours: {replace[task]} The examples are tiny "
@@ -183,7 +231,14 @@ def _note(name: str) -> str:
         ]
     else:
         lines += ["**2. Prompt:** describe the video in **WanVACE Conditioning**, then Run."]
-    lines += ["", "**Smaller GPU:** connect **WanVACE Offload Options** to the loader's `offload` input."]
+    if variant_of(name) == GGUF_VARIANT:
+        lines += [
+            "",
+            "**Offload:** **WanVACE Offload Options** (layerwise) streams the quantised blocks to the GPU one by one, "
+            "for 12-16 GB cards; disconnect it when the experts fit.",
+        ]
+    else:
+        lines += ["", "**Smaller GPU:** connect **WanVACE Offload Options** to the loader's `offload` input."]
     if name.endswith(CACHE_VARIANT):
         lines += ["", "**WanVACE Cache Options** skips steps with Cache-DiT: faster, slightly different."]
     lines += ["", f"Output: `output/WanVACE/{name}_*.mp4`, {WIDTH}x{HEIGHT}, {LENGTH} frames at 16 fps."]
@@ -208,9 +263,27 @@ _MASK_GROUP_TITLES = {
 def _build(name: str) -> _Graph:
     if name not in WORKFLOWS:
         raise KeyError(f"unknown workflow {name!r}; one of {', '.join(WORKFLOWS)}")
-    task = name.removesuffix(CACHE_VARIANT)
+    task = task_of(name)
     graph = _Graph()
-    loader = graph.add("WanVACEModelLoader", model_name=REAL_MODEL, dtype="bf16", at=("model", 0))
+    files = SINGLE_FILES.get(variant_of(name))
+    if files is None:
+        loader = graph.add("WanVACEModelLoader", model_name=REAL_MODEL, dtype="bf16", at=("model", 0))
+    else:
+        offload = {}
+        if variant_of(name) == GGUF_VARIANT:
+            options = graph.add(
+                "WanVACEOffloadOptions", mode="layerwise", prefetch_blocks=1, max_pinned_mb=0, at=("model", 0)
+            )
+            offload["offload"] = _out(options)
+        loader = graph.add(
+            "WanVACEExpertsLoader",
+            **files,
+            dtype="bf16",
+            weight_dtype="auto",
+            boundary_ratio=0.875,
+            **offload,
+            at=("model", 1 if offload else 0),
+        )
     optional: dict = {}
     if task == "i2v":
         optional["control_video"] = _out(_scaled_image(graph, EXAMPLE_INPUTS["first"], "first frame", "inputs", 0))

@@ -11,7 +11,7 @@ import requests
 import torch
 from comfy_server import count_video_frames
 from safetensors.torch import load_file
-from workflow_graphs import TINY_MODEL, WORKFLOWS, for_tiny_model, nodes_of_type
+from workflow_graphs import TINY_MODEL, WORKFLOWS, for_tiny_model, loader_class, nodes_of_type
 
 pytestmark = pytest.mark.integration
 
@@ -74,7 +74,7 @@ def test_shipped_workflow_runs_and_writes_a_video(task, comfy_server):
     if comfy_server.system_stats()["system"].get("comfyui_version") == "0.3.75":
         assert values == list(range(1, TINY_STEPS + 1))
     assert all(event["max"] == TINY_STEPS for event in progress)
-    for class_type in ("WanVACEModelLoader", "WanVACEConditioning", "WanVACESampler", "WanVACEDecode"):
+    for class_type in (loader_class(task), "WanVACEConditioning", "WanVACESampler", "WanVACEDecode"):
         node_id = _node_id(workflow, class_type)
         assert node_id in _started_nodes(result) or node_id in _cached_nodes(result)
 
