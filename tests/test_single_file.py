@@ -328,6 +328,34 @@ def test_kept_fp8_composes_with_every_offload_mode_and_unload(models_dir):
     assert torch.equal(run(base), expected), "weights read back from the files after an unload"
 
 
+@pytest.mark.parametrize("fmt", ["fp8_scaled", "Q6_K"])
+def test_kept_weights_stream_through_the_cuda_ring_as_stored_bytes(models_dir, fmt):
+    """The layerwise ring (simulated streams, tests/simulated_streams.py) stages the stored fp8/GGUF bytes:
+    its slots are sized by the kept blocks, and the result equals the plain run bitwise."""
+    from tests.simulated_streams import SimulatedStreamOps
+    from wanvace_core import attach_offload
+    from wanvace_core.transfer import RingTransfer
+
+    _root, written = models_dir
+    files = _files(written, fmt)
+    expected = run(load_expert_files(files, "fp32", "auto"))
+    model = load_expert_files(files, "fp32", "auto", offload=OffloadOptions(mode="layerwise"))
+    ops = SimulatedStreamOps()
+    attach_offload(model, OffloadOptions(mode="layerwise", prefetch_blocks=1), stream_ops=ops)
+    ring = model.residency.transfer
+    assert isinstance(ring, RingTransfer)
+    with ops.observing_compute():
+        latents = run(model)
+    assert torch.equal(latents, expected)
+    assert ops.copies_run > 0
+    stored = max(tensor_bytes([block]) for block in [*model.transformer.blocks, *model.transformer.vace_blocks])
+    dequantized = max(
+        sum(p.numel() * 4 for p in block.parameters())
+        for block in [*model.transformer.blocks, *model.transformer.vace_blocks]
+    )
+    assert stored <= ring.slot_bytes < 0.5 * dequantized, (stored, ring.slot_bytes, dequantized)
+
+
 # --------------------------------------------------------------------------------------------------
 # Tokenizer, original release folder
 
