@@ -62,6 +62,7 @@ for _p in (str(TESTS_DIR), str(REPO_ROOT)):
 
 from workflow_graphs import (  # noqa: E402
     GROUP_COLORS,
+    SINGLE_FILES,
     WORKFLOW_TITLES,
     WORKFLOWS,
     UiLayout,
@@ -627,6 +628,15 @@ def write_thumbnails() -> list[Path]:
     written = []
     with tempfile.TemporaryDirectory(prefix="wanvace-thumbnails-") as tmp:
         tmp = Path(tmp)
+        # Empty stand-ins under the file names the single-file workflows pick, so the graph editor shows their
+        # loaders as a user with the files sees them (frontend 1.49 outlines a loader whose model file is missing).
+        folders = {"high_noise_model": "diffusion_models", "low_noise_model": "diffusion_models"}
+        folders |= {"text_encoder": "text_encoders", "vae": "vae"}
+        for files in SINGLE_FILES.values():
+            for input_name, file_name in files.items():
+                stand_in = tmp / "base" / "models" / folders[input_name] / file_name
+                stand_in.parent.mkdir(parents=True, exist_ok=True)
+                stand_in.touch()
         server = _start_server(tmp / "base")
         previous = os.environ.get("CHECK_WORKFLOWS_THUMBNAILS")
         os.environ["CHECK_WORKFLOWS_THUMBNAILS"] = str(tmp / "png")
