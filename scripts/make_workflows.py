@@ -109,6 +109,9 @@ SIZE_FLOORS = {
     "GetVideoComponents": (220, 106),
     "ImageBatch": (235, 54),
     "WanVACECacheOptions": (301, 250),
+    # Measured in frontend 1.49: the boolean toggle row and the file-name combos take more than the estimate.
+    "WanVACEModelLoader": (270, 140),
+    "WanVACEExpertsLoader": (300, 290),
 }
 # Groups: LiteGraph draws the title in a bar of font_size * 1.4 at the top of `bounding`.
 GROUP_FONT_SIZE = 24

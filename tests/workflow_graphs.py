@@ -212,7 +212,7 @@ def _note(name: str) -> str:
             "**WanVACE Model Loader** (a Wan2.1-VACE diffusers folder works too)."
         )
     else:
-        kind = "fp8 (Comfy-Org's repackaged files)" if variant_of(name) == FP8_VARIANT else "GGUF"
+        kind = "fp8, Comfy-Org's repackaged files" if variant_of(name) == FP8_VARIANT else "GGUF"
         model = (
             f"**1. Model ({kind}):** put `{files['high_noise_model']}` and `{files['low_noise_model']}` in "
             f"`ComfyUI/models/diffusion_models/`, `{files['text_encoder']}` in `models/text_encoders/` and "
