@@ -33,4 +33,7 @@ step() {
 step "gpu tests" 180 "$PY" -m pytest tests -m gpu -p no:cacheprovider -q -rA
 step "offload bench 480x832x81" 150 "$PY" bench/bench_offload_gpu.py --height 480 --width 832 --frames 81 --steps 3
 step "offload bench 720x1280x81" 180 "$PY" bench/bench_offload_gpu.py --height 720 --width 1280 --frames 81 --steps 3
+# bf16 vs kept fp8 vs kept GGUF Q8_0 weights, one A14B expert; 720x1280x81 runs only if predicted to fit 120 s.
+step "single-file formats bench" 150 "$PY" bench/bench_single_file_gpu.py --sizes 480x832x81,720x1280x81 --steps 3 \
+    --max-seconds 120
 exit "$status"

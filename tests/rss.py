@@ -156,10 +156,17 @@ def cpu_count() -> int:
 # --- Load measurement: a transformer-only folder and a worker process that loads it --------------------
 
 LOADERS = ("ours", "diffusers")
+# One expert loaded from a single file through the single-file loader (`wanvace_core.single_file`).
+SINGLE_FILE_LOADER = "single"
+# Single-file layouts `write_single_files` writes (tests/single_files.py writers), by file name.
+SINGLE_FILE_FORMATS = {
+    "bf16": "expert_bf16.safetensors",  # original Wan keys, every tensor bf16
+    "fp8_scaled": "expert_fp8_scaled.safetensors",  # legacy scaled fp8: every Linear weight e4m3fn + scale
+    "Q8_0": "expert_Q8_0.gguf",  # city96-style GGUF
+}
 
 
-def write_transformer_folder(
-    folder,
+def random_transformer(
     *,
     num_layers: int = 4,
     vace_every: int = 2,
@@ -169,13 +176,7 @@ def write_transformer_folder(
     text_dim: int = 4096,
     seed: int = 0,
 ):
-    """Writes a random `WanVACETransformer3DModel` in bf16 to `<folder>/transformer` (diffusers layout).
-
-    Returns the component folder. Weights are drawn straight in bf16 so that writing a few hundred MB
-    takes seconds and little memory.
-    """
-    from pathlib import Path
-
+    """A random `WanVACETransformer3DModel` with bf16 weights, drawn straight in bf16 (seconds, little memory)."""
     import torch
     from diffusers import WanVACETransformer3DModel
 
@@ -203,9 +204,48 @@ def write_transformer_folder(
     }
     model.load_state_dict(state, assign=True)
     del state
+    return model.eval().requires_grad_(False)
+
+
+def write_transformer_folder(folder, *, model=None, **shape):
+    """Writes a random `WanVACETransformer3DModel` (or `model`) in bf16 to `<folder>/transformer` (diffusers layout).
+
+    Returns the component folder. `shape`: the keyword arguments of `random_transformer`.
+    """
+    from pathlib import Path
+
+    model = random_transformer(**shape) if model is None else model
     out = Path(folder) / "transformer"
     model.save_pretrained(out, safe_serialization=True)
     return out
+
+
+def write_single_files(folder, formats=tuple(SINGLE_FILE_FORMATS), *, model=None, **shape) -> dict:
+    """Writes one expert (random, or `model`) as ComfyUI-style single files to `folder`, one per format.
+
+    Formats are keys of `SINGLE_FILE_FORMATS`; returns {format: path}. Uses the test-side writers of
+    tests/single_files.py, so the files are laid out as ComfyUI's are.
+    """
+    from pathlib import Path
+
+    import torch
+
+    from tests.single_files import write_expert, write_gguf_expert
+
+    model = random_transformer(**shape) if model is None else model
+    folder = Path(folder)
+    written = {}
+    for fmt in formats:
+        path = folder / SINGLE_FILE_FORMATS[fmt]
+        if fmt == "bf16":
+            written[fmt] = write_expert(path, model, dtype=torch.bfloat16)
+        elif fmt == "fp8_scaled":
+            written[fmt] = write_expert(path, model, dtype=torch.bfloat16, quant="scaled_fp8")
+        elif fmt == "Q8_0":
+            written[fmt] = write_gguf_expert(path, model, "Q8_0")
+        else:
+            raise ValueError(f"unknown single-file format {fmt!r}; known: {tuple(SINGLE_FILE_FORMATS)}")
+    return written
 
 
 def _malloc_trim() -> None:
@@ -217,7 +257,28 @@ def _malloc_trim() -> None:
         pass
 
 
-def _measure_load(loader: str, component_folder: str, dtype_name: str, threads: int) -> dict:
+def load_single_file_expert(path, dtype, weight_dtype: str = "auto", device="cpu"):
+    """Loads one expert from a single file exactly as `load_expert_files` loads each expert.
+
+    There is no public entry point for one expert, so this goes through `single_file._load` with the
+    layout `inspect_expert_files` builds for the high-noise expert (headers read inside, as the folder
+    loader reads its headers inside `load_component`).
+    """
+    from pathlib import Path
+
+    import torch
+
+    from wanvace_core.single_file import _load
+    from wanvace_core.wan_layouts import expert_layout
+    from wanvace_core.weight_files import open_weight_file
+
+    path = Path(path)
+    layout = expert_layout([open_weight_file(path)], None, "high_noise_model", path.name)
+    model, _ = _load(layout, dtype, weight_dtype, torch.device(device), True)
+    return model
+
+
+def _measure_load(loader: str, source: str, dtype_name: str, threads: int, weight_dtype: str = "auto") -> dict:
     """Runs in a fresh process: loads one component and reports time, memory and what was loaded."""
     import gc
     import sys
@@ -228,21 +289,36 @@ def _measure_load(loader: str, component_folder: str, dtype_name: str, threads: 
 
     from wanvace_core.folder import ComponentFiles, _weight_files
     from wanvace_core.loading import DTYPES, load_component
+    from wanvace_core.quantized import QuantizedLinear
 
     torch.set_num_threads(threads)
     sys.setswitchinterval(0.0005)  # let the sampler thread in often while the loader holds the GIL
     dtype = DTYPES[dtype_name]
-    folder = Path(component_folder)
-    files = _weight_files(folder.name, folder)
-    component = ComponentFiles(name=folder.name, folder=folder, weight_files=files)
+    source = Path(source)
+    if loader == SINGLE_FILE_LOADER:
+        files = [source]
+        # Modules the single-file loader imports on first use, imported before the baseline as the folder
+        # loader's are (a running ComfyUI has them already).
+        import diffusers.loaders.single_file_utils  # noqa: F401
+        import gguf  # noqa: F401
+        from diffusers.quantizers.gguf.utils import dequantize_functions  # noqa: F401
+
+        import wanvace_core.single_file  # noqa: F401
+    else:
+        if weight_dtype != "auto":
+            raise ValueError(f"weight_dtype={weight_dtype!r} is a single-file option; the {loader} loader has none")
+        files = _weight_files(source.name, source)
+        component = ComponentFiles(name=source.name, folder=source, weight_files=files)
     gc.collect()
     _malloc_trim()
     with PeakSampler() as peak:
         start = time.perf_counter()
-        if loader == "ours":
+        if loader == SINGLE_FILE_LOADER:
+            model = load_single_file_expert(source, dtype, weight_dtype)
+        elif loader == "ours":
             model = load_component(WanVACETransformer3DModel, component, dtype, torch.device("cpu"))
         else:
-            model = WanVACETransformer3DModel.from_pretrained(folder, torch_dtype=dtype, use_safetensors=True)
+            model = WanVACETransformer3DModel.from_pretrained(source, torch_dtype=dtype, use_safetensors=True)
         seconds = time.perf_counter() - start
     after = read_status()
     # Read every byte once, as a first forward would: weights used in place from the file get paged in.
@@ -255,10 +331,15 @@ def _measure_load(loader: str, component_folder: str, dtype_name: str, threads: 
     for tensor in model.parameters():
         name = str(tensor.dtype).removeprefix("torch.")
         param_dtypes[name] = param_dtypes.get(name, 0) + 1
+    kept = [child for child in model.modules() if isinstance(child, QuantizedLinear)]
     return {
         "loader": loader,
         "dtype": dtype_name,
+        "weight_dtype": weight_dtype,
         "seconds": seconds,
+        "kept_linears": len(kept),
+        "kept_formats": sorted({child.weight_format.quant or child.weight_format.kind for child in kept}),
+        "linears": sum(isinstance(child, torch.nn.Linear) for child in model.modules()) + len(kept),
         "component_bytes": tensor_bytes(model),
         "file_bytes": sum(path.stat().st_size for path in files),
         "meta_tensors": sum(tensor.is_meta for tensor in [*model.parameters(), *model.buffers()]),
@@ -271,12 +352,16 @@ def _measure_load(loader: str, component_folder: str, dtype_name: str, threads: 
     }
 
 
-def measure_load_in_subprocess(loader: str, component_folder, dtype: str, *, threads: int = 2, timeout: float = 600):
-    """Loads a `WanVACETransformer3DModel` folder in a fresh Python process and returns what it measured.
+def measure_load_in_subprocess(
+    loader: str, source, dtype: str, *, threads: int = 2, timeout: float = 600, weight_dtype: str = "auto"
+):
+    """Loads one `WanVACETransformer3DModel` in a fresh Python process and returns what it measured.
 
-    `loader` is "ours" (`load_component`) or "diffusers" (`from_pretrained(..., torch_dtype=...)`). The
-    baseline is taken in the child after its imports, so both loaders start from the same clean state.
-    Keys ending in `_above_baseline` are peaks during the load minus the baseline, in bytes.
+    `loader` is "ours" (`load_component` of the component folder `source`), "diffusers"
+    (`from_pretrained(source, torch_dtype=...)`) or "single" (`load_single_file_expert` of the single
+    file `source`, with `weight_dtype`). The baseline is taken in the child after its imports, so every
+    loader starts from the same clean state. Keys ending in `_above_baseline` are peaks during the load
+    minus the baseline, in bytes.
     """
     import json
     import subprocess
@@ -285,7 +370,7 @@ def measure_load_in_subprocess(loader: str, component_folder, dtype: str, *, thr
 
     repo = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
-    command = [sys.executable, str(Path(__file__).resolve()), loader, str(component_folder), dtype, str(threads)]
+    command = [sys.executable, str(Path(__file__).resolve()), loader, str(source), dtype, str(threads), weight_dtype]
     done = subprocess.run(command, env=env, cwd=repo, capture_output=True, text=True, timeout=timeout, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr[-4000:]}")
@@ -295,10 +380,11 @@ def measure_load_in_subprocess(loader: str, component_folder, dtype: str, *, thr
 def _main(argv: list[str]) -> None:
     import json
 
-    loader, component_folder, dtype, threads = argv
-    if loader not in LOADERS:
-        raise SystemExit(f"loader must be one of {LOADERS}")
-    print(json.dumps(_measure_load(loader, component_folder, dtype, int(threads))))
+    loader, source, dtype, threads, *rest = argv
+    if loader not in (*LOADERS, SINGLE_FILE_LOADER):
+        raise SystemExit(f"loader must be one of {(*LOADERS, SINGLE_FILE_LOADER)}")
+    weight_dtype = rest[0] if rest else "auto"
+    print(json.dumps(_measure_load(loader, source, dtype, int(threads), weight_dtype)))
 
 
 if __name__ == "__main__":

@@ -261,6 +261,7 @@ def test_every_node_and_input_is_described(comfy_server):
     ours = {name: node for name, node in info.items() if name.startswith("WanVACE")}
     assert set(ours) == {
         "WanVACEModelLoader",
+        "WanVACEExpertsLoader",
         "WanVACEConditioning",
         "WanVACESampler",
         "WanVACEDecode",
