@@ -257,27 +257,6 @@ def _malloc_trim() -> None:
         pass
 
 
-def load_single_file_expert(path, dtype, weight_dtype: str = "auto", device="cpu"):
-    """Loads one expert from a single file exactly as `load_expert_files` loads each expert.
-
-    There is no public entry point for one expert, so this goes through `single_file._load` with the
-    layout `inspect_expert_files` builds for the high-noise expert (headers read inside, as the folder
-    loader reads its headers inside `load_component`).
-    """
-    from pathlib import Path
-
-    import torch
-
-    from wanvace_core.single_file import _load
-    from wanvace_core.wan_layouts import expert_layout
-    from wanvace_core.weight_files import open_weight_file
-
-    path = Path(path)
-    layout = expert_layout([open_weight_file(path)], None, "high_noise_model", path.name)
-    model, _ = _load(layout, dtype, weight_dtype, torch.device(device), True)
-    return model
-
-
 def _measure_load(loader: str, source: str, dtype_name: str, threads: int, weight_dtype: str = "auto") -> dict:
     """Runs in a fresh process: loads one component and reports time, memory and what was loaded."""
     import gc
@@ -303,7 +282,7 @@ def _measure_load(loader: str, source: str, dtype_name: str, threads: int, weigh
         import gguf  # noqa: F401
         from diffusers.quantizers.gguf.utils import dequantize_functions  # noqa: F401
 
-        import wanvace_core.single_file  # noqa: F401
+        from wanvace_core.single_file import load_expert
     else:
         if weight_dtype != "auto":
             raise ValueError(f"weight_dtype={weight_dtype!r} is a single-file option; the {loader} loader has none")
@@ -314,7 +293,7 @@ def _measure_load(loader: str, source: str, dtype_name: str, threads: int, weigh
     with PeakSampler() as peak:
         start = time.perf_counter()
         if loader == SINGLE_FILE_LOADER:
-            model = load_single_file_expert(source, dtype, weight_dtype)
+            model = load_expert(source, dtype_name, weight_dtype)
         elif loader == "ours":
             model = load_component(WanVACETransformer3DModel, component, dtype, torch.device("cpu"))
         else:

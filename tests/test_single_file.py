@@ -256,6 +256,25 @@ def test_fp8_weights_stay_fp8_and_match_dequantising_at_load(models_dir, referen
     assert 0 < error < FP8_LATENT_TOLERANCE
 
 
+@pytest.mark.parametrize("fmt", ["fp8_scaled", "Q8_0"])
+def test_bf16_weights_dequantised_at_load_equal_the_per_forward_dequantisation(models_dir, fmt):
+    """At load, fp8 is cast into place and scaled in place, GGUF dequantised in small windows; per forward,
+    `WeightFormat.dequantize` then a cast. Both must give the same bf16 weights, bit for bit."""
+    _root, written = models_dir
+    files = _files(written, fmt)
+    kept = load_expert_files(files, "bf16", "auto")
+    dequantized = dict(load_expert_files(files, "bf16", "bf16").transformer.named_modules())
+    layers = [
+        (name, module) for name, module in kept.transformer.named_modules() if isinstance(module, QuantizedLinear)
+    ]
+    assert len(layers) > 20
+    for name, module in layers:
+        weight = module.weight_format.dequantize(
+            module.weight, module.weight_scale, (module.out_features, module.in_features)
+        )
+        assert torch.equal(weight.to(torch.bfloat16), dequantized[name].weight), name
+
+
 def _linear_weight_bytes(model) -> int:
     return sum(
         m.weight.numel() * m.weight.element_size()

@@ -124,17 +124,18 @@ def stream_into(
     transform=None,
     unit_bytes: int | None = None,
     unit_elements: int = 1,
+    window_bytes: int = _WINDOW_BYTES,
 ) -> None:
     """Casts the `nbytes` at `offset` of the file into `target` (any dtype, device), one mapped window at a time.
 
     Each window of at most `_WINDOW_BYTES` is mapped copy-on-write (never written), cast into its place in
     `target` and unmapped again, so the file's pages never pile up in this process's RSS. `transform` turns a
     window's stored values into target values (dequantisation): every `unit_bytes` stored bytes (default one
-    element) become `unit_elements` target elements, and windows hold whole units.
+    element) become `unit_elements` target elements, and windows hold whole units (`window_bytes` at most).
     """
     flat = target.view(-1)
     itemsize = unit_bytes or source_dtype.itemsize
-    window = _WINDOW_BYTES - _WINDOW_BYTES % itemsize
+    window = max(itemsize, window_bytes - window_bytes % itemsize)
     done = 0
     while done < nbytes:
         size = min(window, nbytes - done)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -26,7 +26,7 @@ from .quantized import QuantizedLinear, WeightFormat, replace_linears
 from .runtime import compose
 from .tokenizer import t5_tokenizer_from_sentencepiece
 from .wan_layouts import Layout, Source, expert_layout, umt5_layout, vae_layout
-from .weight_files import open_weight_file
+from .weight_files import give_back_freed_heap, open_weight_file
 
 logger = logging.getLogger(__name__)
 
@@ -131,9 +131,17 @@ def _tensor_for(placement: _Placement, device: torch.device) -> torch.Tensor:
         file.copy_into(
             entry, target, lambda raw: weight_format.dequantize(raw, None, (-1,)), unit=(type_size, block_size)
         )
+        give_back_freed_heap()
     else:
+        # fp8 values are exact in every target dtype, so cast them into place, then scale in place: the 0-dim
+        # fp32 scale is applied in fp32 arithmetic and rounded once, bitwise what `dequantize` computes per
+        # forward, with no temporary at all.
         scale = file.view(source.scale).to(torch.float32).reshape(()).clone()
-        file.copy_into(entry, target, lambda values: weight_format.dequantize(values, scale, (-1,)))
+        stored = (
+            entry if entry.dtype == weight_format.stored_dtype else replace(entry, dtype=weight_format.stored_dtype)
+        )
+        file.copy_into(stored, target)
+        target.mul_(scale)
     return target
 
 
@@ -398,3 +406,23 @@ def find_original_folders(roots) -> list[str]:
                 if is_original_folder(vae.parent):
                     found.add(vae.parent.relative_to(root).as_posix())
     return sorted(found)
+
+
+def load_expert(
+    path: str | Path,
+    dtype: str = "bf16",
+    weight_dtype: str = "auto",
+    device: str | torch.device = "cpu",
+    vace_module: str | Path | None = None,
+    label: str = "high_noise_model",
+) -> torch.nn.Module:
+    """One expert (`WanVACETransformer3DModel`) from its file, loaded exactly as `load_expert_files` loads each."""
+    if dtype not in DTYPES or weight_dtype not in WEIGHT_DTYPES:
+        raise WanVACEModelFolderError(
+            f"dtype={dtype!r} / weight_dtype={weight_dtype!r}: choose dtype from {', '.join(DTYPES)} and "
+            f"weight_dtype from {', '.join(WEIGHT_DTYPES)}."
+        )
+    path = Path(path)
+    layout = expert_layout(_open_expert(path, False), _open_expert(vace_module, False), label, path.name)
+    module, _placements = _load(layout, DTYPES[dtype], weight_dtype, torch.device(device), True)
+    return module

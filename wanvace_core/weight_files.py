@@ -9,6 +9,7 @@ first use. Loading casts or dequantises from there in windows (`loading.stream_i
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import pickle
@@ -22,6 +23,9 @@ from .errors import WanVACEModelFolderError
 from .folder import read_safetensors_header
 
 _REMEDY = "re-download or re-convert this file"
+_WINDOW_BYTES = 64 * 1024 * 1024
+# A dequantising window yields at most this many fp32 elements (4 MiB): small temporaries, reused each window.
+_TRANSFORM_WINDOW_ELEMENTS = 1024 * 1024
 # Plain float types GGUF stores unquantised, by gguf-py's GGMLQuantizationType name.
 _GGUF_PLAIN = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 # city96's ComfyUI-GGUF stores the shape of tensors it had to flatten (GGUF has at most 4 dims) here.
@@ -77,19 +81,50 @@ class WeightFile:
     def copy_into(self, entry: StoredTensor, target: torch.Tensor, transform=None, unit=(None, 1)) -> None:
         """Casts (or `transform`s) the stored values of `entry` into `target`, one unmapped-after-use window at a time.
 
-        `unit` = (stored bytes, target elements) of one quantisation block; windows hold whole blocks.
+        `unit` = (stored bytes, target elements) of one quantisation block; windows hold whole blocks. A
+        transform's fp32 output is a temporary the size of its window, so its windows are kept small.
         """
         from .loading import stream_into
 
         unit_bytes, unit_elements = unit
+        window = _WINDOW_BYTES if transform is None else _TRANSFORM_WINDOW_ELEMENTS * (unit_bytes or 1) // unit_elements
         with open(self.path, "rb", buffering=0) as handle:
             stream_into(
-                handle.fileno(), entry.offset, entry.nbytes, entry.dtype, target, transform, unit_bytes, unit_elements
+                handle.fileno(),
+                entry.offset,
+                entry.nbytes,
+                entry.dtype,
+                target,
+                transform,
+                unit_bytes,
+                unit_elements,
+                window_bytes=window,
             )
 
     def release(self) -> None:
         """Forgets the mapping (tensors viewing it keep it alive until they go)."""
         self._storage = None
+
+
+def _libc_malloc_trim():
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError):
+        return None  # not glibc
+
+
+_MALLOC_TRIM = _libc_malloc_trim()
+
+
+def give_back_freed_heap() -> None:
+    """Returns freed heap pages to the system (glibc), after a tensor was dequantised window by window.
+
+    The dequantising kernels' mid-size temporaries land between the loaded tensors on glibc's heap, and the holes
+    they leave are never returned: measured on a 235M-parameter Q8_0 expert dequantised to bf16, 612 MiB private
+    after the load for 503 MiB of weights, 461-510 with this (tests/test_load_memory.py).
+    """
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 _PICKLE_WINDOW_ELEMENTS = 16 * 1024 * 1024
