@@ -23,7 +23,7 @@ from ..wanvace_core import (
     load_expert_files,
 )
 from ..wanvace_core.single_file import DEFAULT_BOUNDARY_RATIO, file_stamps, resident_bytes
-from .held import forget_last, hold, reusable
+from .held import forget_last, forget_on_unload, hold, reusable
 from .memory import cooperate, make_room_before_loading
 from .types import CATEGORY, WanVACEModelType, WanVACEOffloadType
 
@@ -229,5 +229,5 @@ def load_held_experts(files: ExpertFiles, dtype, weight_dtype, boundary_ratio, d
             make_room_before_loading(device, resident_bytes(layouts, dtype, weight_dtype))
         model = load_expert_files(files, dtype, weight_dtype, boundary_ratio, device, offload=options)
     hold(key, model)
-    cooperate(model, device).on_unload = forget_last
+    cooperate(model, device).on_unload = forget_on_unload(model)
     return model

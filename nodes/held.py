@@ -26,8 +26,21 @@ def reusable(key: tuple, stamps: dict) -> WanVACEModel | None:
 
 
 def forget_last() -> None:
-    """Lets go of the last pipeline: another one is about to load, or ComfyUI unloaded it."""
+    """Lets go of the last pipeline: another one is about to load."""
     _last.clear()
+
+
+def forget_on_unload(model: WanVACEModel):
+    """The callback for ComfyUI's unload of `model`: stop holding it if it is the one held (unloading an older
+    pipeline leaves the hold on the current one). It refers to `model` weakly: the patcher that calls it lives
+    as long as the model, and a strong reference would keep both alive forever."""
+    ref = weakref.ref(model)
+
+    def forget() -> None:
+        if _last and _last[0] is ref():
+            _last.clear()
+
+    return forget
 
 
 def hold(key: tuple, model: WanVACEModel) -> None:

@@ -27,7 +27,7 @@ from ..wanvace_core.single_file import (
     original_folder_files,
 )
 from .experts_loader import load_held_experts
-from .held import forget_last, hold, reusable
+from .held import forget_last, forget_on_unload, hold, reusable
 from .memory import cooperate, make_room_before_loading
 from .types import CATEGORY, WanVACEModelType, WanVACEOffloadType
 
@@ -143,7 +143,7 @@ class WanVACEModelLoader(io.ComfyNode):
                 make_room_before_loading(device, _weight_file_bytes(folder))
             model = load_pipeline(folder, dtype, device, offload=options)
         hold(key, model)
-        cooperate(model, device).on_unload = forget_last
+        cooperate(model, device).on_unload = forget_on_unload(model)
         return io.NodeOutput(model)
 
 

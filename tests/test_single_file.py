@@ -400,7 +400,7 @@ def test_tokenizer_folder_beside_a_file_without_spiece(tmp_path, components, fol
     bare = tmp_path / "umt5_bare.safetensors"
     save_file(state, str(bare))
     with pytest.raises(WanVACEModelFolderError, match="umt5_bare_tokenizer"):
-        load_expert_files(ExpertFiles(**{**files.__dict__, "text_encoder": bare}), "fp32")
+        inspect_expert_files(ExpertFiles(**{**files.__dict__, "text_encoder": bare}))  # refused before any load
     shutil.copytree(folder / "tokenizer", tmp_path / "umt5_bare_tokenizer")
     model = load_expert_files(ExpertFiles(**{**files.__dict__, "text_encoder": bare}), "fp32")
     assert model.tokenizer("a cat")["input_ids"] == load_pipeline(folder, "fp32").tokenizer("a cat")["input_ids"]
@@ -519,6 +519,28 @@ def test_fp8_without_scales_is_refused(tmp_path, components, good_files):
     save_file(state, str(tmp_path / "mixed_noscale.safetensors"), metadata=metadata)
     with pytest.raises(WanVACEModelFolderError, match=r"without its scale 'blocks.0.ffn.0.weight_scale'"):
         inspect_expert_files(_with(good_files, high_noise_model=tmp_path / "mixed_noscale.safetensors"))
+
+
+def test_a_prefixed_file_with_an_unprefixed_marker_keeps_its_scales(tmp_path, components, good_files):
+    state = _read(
+        write_expert(tmp_path / "p.safetensors", components["transformer"], quant="scaled_fp8", prefix=PREFIX)
+    )
+    state["scaled_fp8"] = state.pop(PREFIX + "scaled_fp8")
+    moved = tmp_path / "prefixed_unprefixed_marker.safetensors"
+    save_file(state, str(moved))
+    reference = write_expert(tmp_path / "plain.safetensors", components["transformer"], quant="scaled_fp8")
+    ours = load_expert_files(_with(good_files, high_noise_model=moved), "fp32", "fp32").transformer.state_dict()
+    plain = load_expert_files(_with(good_files, high_noise_model=reference), "fp32", "fp32").transformer.state_dict()
+    assert all(torch.equal(ours[key], plain[key]) for key in plain)
+
+
+def test_fp8_scales_without_a_scheme_are_refused(tmp_path, components, good_files):
+    state = _read(write_expert(tmp_path / "fp8.safetensors", components["transformer"], quant="scaled_fp8"))
+    del state["scaled_fp8"]
+    unmarked = tmp_path / "fp8_no_marker.safetensors"
+    save_file(state, str(unmarked))
+    with pytest.raises(WanVACEModelFolderError, match=r"fp8_no_marker.*no 'scaled_fp8' marker"):
+        inspect_expert_files(_with(good_files, high_noise_model=unmarked))
 
 
 def test_unknown_gguf_quantisation_is_refused(tmp_path, good_files):

@@ -112,12 +112,14 @@ def _tensor_for(placement: _Placement, device: torch.device) -> torch.Tensor:
     source = placement.source
     entry, file = source.entry, source.file
     if placement.keep is not None:
-        raw = file.view(entry)
-        stored = raw.view(placement.keep.stored_dtype) if raw.dtype != placement.keep.stored_dtype else raw
-        return stored if device.type == "cpu" else stored.to(device)
-    if placement.dequantize is None and entry.dtype == placement.dtype:
-        view = file.view(entry)  # used in place: a view of the copy-on-write mapping
-        return view if device.type == "cpu" else view.to(device)
+        stored = replace(entry, dtype=placement.keep.stored_dtype, shape=entry.storage_shape, quant=None)
+        if device.type == "cpu":
+            return file.view(stored)  # kept as stored, in place: a view of the copy-on-write mapping
+        target = torch.empty(stored.shape, dtype=stored.dtype, device=device)
+        file.copy_into(stored, target)  # window by window, so the file's pages never pile up
+        return target
+    if placement.dequantize is None and entry.dtype == placement.dtype and device.type == "cpu":
+        return file.view(entry)  # used in place: a view of the copy-on-write mapping
     target = torch.empty(entry.shape, dtype=placement.dtype, device=device)
     if entry.nbytes == 0:
         return target
@@ -216,24 +218,32 @@ def file_stamps(layouts: dict[str, Layout]) -> dict[str, tuple[int, int]]:
     return {str(file.path): file.stamp for layout in layouts.values() for file in layout.files}
 
 
-def _tokenizer(text_encoder: Path, layout: Layout, folder: Path | None):
-    spiece = layout.extra.get("spiece_model")
-    if spiece is not None:
-        file = layout.files[0]
-        model_bytes = bytes(file.view(spiece).numpy().tobytes())
-        file.release()
-        return t5_tokenizer_from_sentencepiece(model_bytes, f"The spiece_model tensor of {text_encoder}")
-    candidates = [text_encoder.parent / f"{text_encoder.stem}_tokenizer", text_encoder.parent / "tokenizer"]
-    for candidate in ([folder] if folder is not None else []) + candidates:
+def _tokenizer_folder(text_encoder: Path, layout: Layout, folder: Path | None) -> Path | None:
+    """Where the tokenizer comes from when the text encoder file carries none; raises if nowhere."""
+    if layout.extra.get("spiece_model") is not None:
+        return None
+    candidates = [folder] if folder is not None else []
+    candidates += [text_encoder.parent / f"{text_encoder.stem}_tokenizer", text_encoder.parent / "tokenizer"]
+    for candidate in candidates:
         if (candidate / "tokenizer.json").is_file() or (candidate / "spiece.model").is_file():
-            from transformers import T5TokenizerFast
-
-            return T5TokenizerFast.from_pretrained(candidate)
+            return candidate
     raise WanVACEModelFolderError(
-        f"text_encoder={text_encoder.name} carries no tokenizer (no 'spiece_model' tensor) and none lies beside it; "
-        f"use ComfyUI's umt5_xxl_fp16 / umt5_xxl_fp8_e4m3fn_scaled, or put the google/umt5-xxl tokenizer files "
-        f"(tokenizer.json or spiece.model) in {text_encoder.parent / (text_encoder.stem + '_tokenizer')}."
+        f"text_encoder={text_encoder.name} carries no tokenizer (no 'spiece_model' tensor) and none lies at "
+        f"{candidates[0]}; use ComfyUI's umt5_xxl_fp16 / umt5_xxl_fp8_e4m3fn_scaled, or put the google/umt5-xxl "
+        f"tokenizer files (tokenizer.json or spiece.model) in {candidates[0]}."
     )
+
+
+def _tokenizer(text_encoder: Path, layout: Layout, folder: Path | None):
+    found = _tokenizer_folder(text_encoder, layout, folder)
+    if found is not None:
+        from transformers import T5TokenizerFast
+
+        return T5TokenizerFast.from_pretrained(found)
+    file = layout.files[0]
+    model_bytes = bytes(file.view(layout.extra["spiece_model"]).numpy().tobytes())
+    file.release()
+    return t5_tokenizer_from_sentencepiece(model_bytes, f"The spiece_model tensor of {text_encoder}")
 
 
 def _open_expert(path: Path | None, allow_pth: bool) -> list | None:
@@ -283,8 +293,15 @@ def inspect_expert_files(files: ExpertFiles) -> dict[str, Layout]:
             f"text_encoder={files.text_encoder.name} gives {text.config['d_model']}-wide embeddings, the experts take "
             f"{high.config['text_dim']}; Wan uses umt5-xxl (4096): choose umt5_xxl_fp16 or umt5_xxl_fp8_e4m3fn_scaled."
         )
+    _tokenizer_folder(Path(files.text_encoder), text, files.tokenizer)
     layouts["text_encoder"] = text
-    layouts["vae"] = vae_layout(open_weight_file(files.vae, files.allow_pth))
+    vae = vae_layout(open_weight_file(files.vae, files.allow_pth))
+    if vae.config["z_dim"] != high.config["in_channels"]:
+        raise WanVACEModelFolderError(
+            f"vae={Path(files.vae).name} has {vae.config['z_dim']} latent channels, the experts take "
+            f"{high.config['in_channels']}; Wan2.2-VACE-Fun-A14B uses the Wan 2.1 VAE: choose wan_2.1_vae.safetensors."
+        )
+    layouts["vae"] = vae
     return layouts
 
 

@@ -64,24 +64,26 @@ UMT5_MAX_DISTANCE = 128
 class _ScaledFp8:
     """The fp8 scales a safetensors file carries, in either of ComfyUI's schemes (or none)."""
 
-    def __init__(self, file: WeightFile, names: dict[str, StoredTensor]) -> None:
+    def __init__(self, file: WeightFile, names: dict[str, StoredTensor], marker: StoredTensor | None = None) -> None:
         import json
 
         self.file = file
         self.scheme = None
         self.layers: dict[str, dict] = {}
         metadata = file.metadata.get("_quantization_metadata")
+        # The legacy marker, wherever it sits: prefixed or not, in this shard or another of the same expert.
+        marker = marker or _find_marker(file)
         if metadata:
             self.scheme = "mixed"
             try:
-                self.layers = dict(json.loads(metadata).get("layers", {}))
+                layers = dict(json.loads(metadata).get("layers", {}))
             except (ValueError, AttributeError) as error:
                 raise WanVACEModelFolderError(
                     f"{file.path} has unreadable _quantization_metadata ({error}); re-download or re-convert it."
                 ) from error
-        elif "scaled_fp8" in names:
+            self.layers = {_unprefixed(layer): conf for layer, conf in layers.items()}
+        elif marker is not None:
             self.scheme = "legacy"
-            marker = names["scaled_fp8"]
             default = "float8_e5m2" if marker.dtype == torch.float8_e5m2 else "float8_e4m3fn"
             self.layers = {
                 name[: -len(".scale_weight")]: {"format": default} for name in names if name.endswith(".scale_weight")
@@ -91,6 +93,13 @@ class _ScaledFp8:
                 if name.endswith(".comfy_quant"):
                     self.scheme = "mixed"
                     self.layers[name[: -len(".comfy_quant")]] = _read_json_tensor(file, entry)
+        if self.scheme is None:
+            scales = [name for name in names if name.endswith((".scale_weight", ".weight_scale"))]
+            if scales:
+                raise WanVACEModelFolderError(
+                    f"{file.path} has fp8 scales ('{scales[0]}') but no 'scaled_fp8' marker or quantisation metadata "
+                    "saying how to apply them; the file is incomplete: re-download or re-convert it."
+                )
 
     @property
     def auxiliary(self) -> tuple[str, ...]:
@@ -112,6 +121,11 @@ class _ScaledFp8:
                 )
             return None, None
         fmt = conf.get("format")
+        if not (is_fp8 or entry.dtype == torch.uint8):
+            raise WanVACEModelFolderError(
+                f"{self.file.path} lists '{layer}' as {fmt!r} but stores its weight as {entry.dtype}; the quantisation "
+                "data does not match the tensors: re-download or re-convert this file."
+            )
         if fmt not in ("float8_e4m3fn", "float8_e5m2"):
             raise WanVACEModelFolderError(
                 f"{self.file.path} quantises '{layer}' as {fmt!r}, which this pack cannot dequantise (only per-tensor "
@@ -141,6 +155,17 @@ def _read_json_tensor(file: WeightFile, entry: StoredTensor) -> dict:
         raise WanVACEModelFolderError(
             f"{file.path} has an unreadable '{entry.name}' ({error}); re-download or re-convert it."
         ) from error
+
+
+def _unprefixed(name: str) -> str:
+    for prefix in _PREFIXES:
+        if name.startswith(prefix):
+            return name[len(prefix) :]
+    return name
+
+
+def _find_marker(file: WeightFile) -> StoredTensor | None:
+    return next((entry for name, entry in file.tensors.items() if _unprefixed(name) == "scaled_fp8"), None)
 
 
 def _strip_prefix(file: WeightFile) -> dict[str, StoredTensor]:
@@ -177,11 +202,14 @@ def _expert_part(files: list[WeightFile], where: str) -> tuple[dict[str, Source]
 
     sources: dict[str, Source] = {}
     all_names: set[str] = set()
+    marker = next((found for file in files if (found := _find_marker(file)) is not None), None)
     for file in files:
         names = _strip_prefix(file)
-        scales = _ScaledFp8(file, names)
+        scales = _ScaledFp8(file, names, marker)
         weights = {
-            name: entry for name, entry in names.items() if name != "scaled_fp8" and not name.endswith(scales.auxiliary)
+            name: entry
+            for name, entry in names.items()
+            if _unprefixed(name) != "scaled_fp8" and not name.endswith(scales.auxiliary)
         }
         all_names |= set(weights)
         if _is_diffusers_transformer(weights):
@@ -208,6 +236,11 @@ def _infer_transformer_config(sources: dict[str, Source], where: str) -> dict:
         patch = shapes["patch_embedding.weight"]
         num_layers = _block_count(shapes, "blocks.")
         vace_count = _block_count(shapes, "vace_blocks.")
+        if vace_count > num_layers:
+            raise WanVACEModelFolderError(
+                f"{where} has {vace_count} VACE blocks for {num_layers} main blocks; the VACE module belongs to "
+                "another model size. Choose the VACE module of this expert's release."
+            )
         config = {
             "patch_size": tuple(patch[2:]),
             "num_attention_heads": dim // WAN_HEAD_DIM,

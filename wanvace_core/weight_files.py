@@ -14,6 +14,7 @@ import json
 import math
 import pickle
 import struct
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -107,10 +108,12 @@ class WeightFile:
 
 
 def _libc_malloc_trim():
+    if not sys.platform.startswith("linux"):
+        return None
     try:
         return ctypes.CDLL(None).malloc_trim
-    except (AttributeError, OSError):
-        return None  # not glibc
+    except (AttributeError, OSError, TypeError):
+        return None  # not glibc (musl)
 
 
 _MALLOC_TRIM = _libc_malloc_trim()
@@ -248,6 +251,12 @@ def _gguf_file(path: Path) -> WeightFile:
             raise WanVACEModelFolderError(
                 f"{path} stores '{tensor.name}' as GGUF type {qtype.name}, which diffusers cannot dequantise; use a "
                 "Q8_0, Q6_K, Q5_K, Q4_K, Q3_K, Q2_K, Q5_0/Q5_1, Q4_0/Q4_1 or F16/BF16 file."
+            )
+        stored_count = math.prod(int(v) for v in tensor.shape.tolist())
+        if math.prod(shape) != stored_count or (quant is None and int(tensor.n_bytes) != stored_count * dtype.itemsize):
+            raise WanVACEModelFolderError(
+                f"{path} declares shape {list(shape)} for '{tensor.name}', which holds {stored_count} values; "
+                f"the file is corrupt: {_REMEDY}."
             )
         offset, nbytes = int(tensor.data_offset), int(tensor.n_bytes)
         if offset + nbytes > size:
