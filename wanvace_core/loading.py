@@ -235,14 +235,18 @@ def _fill(module: torch.nn.Module, files: ComponentFiles, dtype: torch.dtype, de
     with torch.no_grad():
         for path in files.weight_files:
             _load_file(module, Path(path), cls, placeholders, fp32_names, dtype, device)
+    finish_filling(module, str(files.folder), "the download is incomplete or the files belong to another model")
+
+
+def finish_filling(module: torch.nn.Module, where: str, remedy: str) -> None:
+    """Ties shared weights, then refuses a module that still has meta tensors (a file lacked them)."""
     if hasattr(module, "tie_weights"):
         module.tie_weights()
     still_empty = [name for name, tensor in module.state_dict(keep_vars=True).items() if tensor.is_meta]
     if still_empty:
         shown = ", ".join(still_empty[:5]) + (" ..." if len(still_empty) > 5 else "")
         raise WanVACEModelFolderError(
-            f"{files.folder} lacks {len(still_empty)} tensor(s) of {cls.__name__} ({shown}); the download is "
-            "incomplete or the files belong to another model."
+            f"{where} lacks {len(still_empty)} tensor(s) of {type(module).__name__} ({shown}); {remedy}."
         )
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from .errors import WanVACEModelFolderError
-from .loading import DTYPES, fp32_module_names, set_tensor
+from .loading import DTYPES, finish_filling, fp32_module_names, set_tensor
 from .model import WanVACEModel
 from .offload import OffloadOptions
 from .quantized import QuantizedLinear, WeightFormat, replace_linears
@@ -171,15 +171,7 @@ def _fill(module: torch.nn.Module, layout: Layout, placements: dict[str, _Placem
             if placement.keep is not None and placement.source.scale is not None:
                 scale = placement.source.file.view(placement.source.scale).to(torch.float32).reshape(())
                 set_tensor(module, key.rpartition(".")[0] + ".weight_scale", scale.to(device))
-    if hasattr(module, "tie_weights"):
-        module.tie_weights()
-    still_empty = [key for key, tensor in module.state_dict(keep_vars=True).items() if tensor.is_meta]
-    if still_empty:
-        shown = ", ".join(still_empty[:5]) + (" ..." if len(still_empty) > 5 else "")
-        raise WanVACEModelFolderError(
-            f"{layout.description} lacks {len(still_empty)} tensor(s) of {name} ({shown}); the file is incomplete "
-            "or belongs to another model."
-        )
+    finish_filling(module, layout.description, "the file is incomplete or belongs to another model")
     for file in layout.files:
         file.release()  # tensors used in place keep their mapping alive
 
