@@ -9,6 +9,7 @@ from .examples import install_example_inputs
 from .experts_loader import WanVACEExpertsLoader
 from .loader import WanVACEModelLoader
 from .offload import WanVACEOffloadOptions
+from .parallel import WanVACEParallelOptions
 from .sampler import WanVACESampler
 
 
@@ -28,4 +29,5 @@ class WanVACEExtension(ComfyExtension):
             WanVACEDecode,
             WanVACECacheOptions,
             WanVACEOffloadOptions,
+            WanVACEParallelOptions,
         ]

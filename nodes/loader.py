@@ -19,6 +19,7 @@ from ..wanvace_core import (
     load_pipeline,
 )
 from ..wanvace_core.loading import file_stamps
+from ..wanvace_core.parallel import ParallelOptions
 from ..wanvace_core.single_file import (
     DEFAULT_BOUNDARY_RATIO,
     find_original_folders,
@@ -29,7 +30,7 @@ from ..wanvace_core.single_file import (
 from .experts_loader import load_held_experts
 from .held import forget_last, forget_on_unload, hold, reusable
 from .memory import cooperate, make_room_before_loading
-from .types import CATEGORY, WanVACEModelType, WanVACEOffloadType
+from .types import CATEGORY, WanVACEModelType, WanVACEOffloadType, WanVACEParallelType
 
 MODEL_FOLDER = "diffusers"
 logger = logging.getLogger(__name__)
@@ -97,6 +98,12 @@ class WanVACEModelLoader(io.ComfyNode):
                     "'Unload models' then drops the weights and the next prompt reads them back from disk). "
                     "Changing only these options re-attaches to the weights already loaded.",
                 ),
+                WanVACEParallelType.Input(
+                    "parallel",
+                    optional=True,
+                    tooltip="From WanVACE Parallel Options: the experts load and run in worker processes across "
+                    "devices or machines, each rank reading only its part. Unconnected = this process, one device.",
+                ),
             ],
             outputs=[WanVACEModelType.Output(display_name="model", tooltip="The loaded WanVACE pipeline.")],
         )
@@ -119,11 +126,18 @@ class WanVACEModelLoader(io.ComfyNode):
 
     @classmethod
     def execute(
-        cls, model_name: str, dtype: str, allow_pth_weights: bool = False, offload: OffloadOptions | None = None
+        cls,
+        model_name: str,
+        dtype: str,
+        allow_pth_weights: bool = False,
+        offload: OffloadOptions | None = None,
+        parallel: ParallelOptions | None = None,
     ) -> io.NodeOutput:
         device = comfy.model_management.get_torch_device()
         folder = resolve_model_folder(model_name)
         options = offload or OffloadOptions()
+        if parallel is not None:
+            return io.NodeOutput(_load_parallel(folder, dtype, device, options, parallel))
         if is_original_folder(folder):
             files = original_folder_files(folder, allow_pth_weights)
             return io.NodeOutput(load_held_experts(files, dtype, "auto", DEFAULT_BOUNDARY_RATIO, device, options))
@@ -145,6 +159,23 @@ class WanVACEModelLoader(io.ComfyNode):
         hold(key, model)
         cooperate(model, device).on_unload = forget_on_unload(model)
         return io.NodeOutput(model)
+
+
+def _load_parallel(folder: str, dtype: str, device, offload: OffloadOptions, parallel: ParallelOptions):
+    """Experts in parallel workers, text encoder and VAE here; the workers live as long as the model."""
+    if is_original_folder(folder):
+        raise WanVACEModelFolderError(
+            f"{folder} is the original release; parallel workers read diffusers folders. Convert it with diffusers, "
+            "or disconnect the parallel input."
+        )
+    key = ("parallel", folder, dtype, str(device), offload, parallel)
+    model = reusable(key, file_stamps(inspect_pipeline_folder(folder, check_weights=False)))
+    forget_last()  # the previous model's workers stop once nothing holds it
+    if model is None:
+        model = load_pipeline(folder, dtype, device, offload=offload, parallel=parallel)
+    hold(key, model)
+    cooperate(model, device).on_unload = forget_on_unload(model)
+    return model
 
 
 def _weight_file_bytes(folder: str) -> int:

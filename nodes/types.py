@@ -6,5 +6,6 @@ WanVACEModelType = io.Custom("WANVACE_MODEL")
 WanVACEConditioningType = io.Custom("WANVACE_COND")
 WanVACECacheType = io.Custom("WANVACE_CACHE")
 WanVACEOffloadType = io.Custom("WANVACE_OFFLOAD")
+WanVACEParallelType = io.Custom("WANVACE_PARALLEL")
 
 CATEGORY = "WanVACE"

@@ -40,6 +40,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _ALLOWED_LIBRARIES = {"diffusers", "transformers"}
 # Tensors that are cast or moved are read through mapped windows of the file of at most this many bytes.
 _WINDOW_BYTES = 64 * 1024 * 1024
+EXPERT_NAMES = ("transformer", "transformer_2")
 SAFETENSORS_DTYPES = {
     name: getattr(torch, attr)
     for name, attr in {
@@ -284,12 +285,19 @@ class FolderWeights:
 
 
 def load_pipeline(
-    path: str | Path, dtype: str = "bf16", device: str | torch.device = "cpu", offload: OffloadOptions | None = None
+    path: str | Path,
+    dtype: str = "bf16",
+    device: str | torch.device = "cpu",
+    offload: OffloadOptions | None = None,
+    parallel=None,
 ) -> WanVACEModel:
     """Loads a WanVACE pipeline folder (Wan2.2 two-expert or Wan2.1 single transformer).
 
     Without `offload` (or with mode `none`) the weights go straight to `device`; with an offload mode they
     stay in host memory (memory-mapped where the dtype matches the files) and move to `device` on demand.
+    With `parallel` (`ParallelOptions`) the experts load in parallel workers, each rank its own part; this
+    process keeps the text encoder and VAE, the experts only as meta-device stand-ins carrying the config,
+    and `offload` applies to the text encoder and VAE here and to the experts in the workers.
     """
     if dtype not in DTYPES:
         raise WanVACEModelFolderError(f"dtype={dtype!r} is not supported; choose one of {', '.join(DTYPES)}.")
@@ -299,8 +307,13 @@ def load_pipeline(
     load_device = device if offload.mode == "none" else torch.device("cpu")
     layout = inspect_pipeline_folder(path)
     model_index = json.loads((layout.path / "model_index.json").read_text())
+    remote_names = EXPERT_NAMES if parallel is not None else ()
     modules = {
-        name: load_component(_component_class(model_index, name), files, torch_dtype, load_device)
+        name: (
+            _build_on_meta(_component_class(model_index, name), files.folder).eval().requires_grad_(False)
+            if name in remote_names
+            else load_component(_component_class(model_index, name), files, torch_dtype, load_device)
+        )
         for name, files in layout.components.items()
     }
     tokenizer_cls = _component_class(model_index, "tokenizer")
@@ -321,5 +334,11 @@ def load_pipeline(
         boundary_ratio=layout.boundary_ratio,
         weights=FolderWeights(layout, torch_dtype),
     )
+    if parallel is not None:
+        from .parallel.launcher import remote_experts
+
+        model.remote = remote_experts(model, parallel, offload, {"kind": "folder", "path": str(layout.path)})
     compose(model, offload)
+    if model.remote is not None:
+        model.remote.start()
     return model

@@ -43,6 +43,9 @@ class WanVACEModel:
     boundary_ratio: float | None
     weights: WeightSource
     max_sequence_length: int = 512
+    # Set when the experts run in parallel workers (`parallel.launcher.RemoteExperts`): `transformer` and
+    # `transformer_2` are then meta-device stand-ins that only carry the config, and `sample` goes there.
+    remote: object = None
     _prompt_cache: OrderedDict = field(default_factory=OrderedDict, repr=False)
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
     _helper: object = field(default=None, repr=False)
@@ -55,7 +58,8 @@ class WanVACEModel:
     @property
     def components(self) -> dict[str, torch.nn.Module]:
         modules = {"text_encoder": self.text_encoder, "vae": self.vae}
-        modules.update({name: getattr(self, name) for name in ("transformer", "transformer_2")})
+        if self.remote is None:  # remote experts' weights live in the workers, not here
+            modules.update({name: getattr(self, name) for name in ("transformer", "transformer_2")})
         return {name: module for name, module in modules.items() if module is not None}
 
     @property
@@ -93,6 +97,8 @@ class WanVACEModel:
     def release_device_memory(self) -> int:
         """Frees the device memory the weights take (ComfyUI asked for it); returns the bytes released."""
         with self._lock:
+            if self.remote is not None:
+                self.remote.close()  # the workers' devices are freed too; the next prompt starts them again
             return self.residency.release_all()
 
     @property

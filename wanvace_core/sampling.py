@@ -139,19 +139,30 @@ def _plan(model: WanVACEModel, settings: SamplerSettings) -> _ExpertPlan:
     return _ExpertPlan(boundary_timestep=ratio * model.num_train_timesteps)
 
 
-def initial_noise(model: WanVACEModel, cond: VACEConditioning, seed: int) -> torch.Tensor:
-    """The starting noise, drawn like diffusers with `torch.Generator("cpu").manual_seed(seed)`."""
+def initial_noise_shape(model: WanVACEModel, cond: VACEConditioning) -> tuple[int, ...]:
     stride = model.helper.vae_scale_factor_spatial
     num_frames = cond.length + cond.num_reference_images * model.temporal_stride
-    shape = (
+    return (
         1,
         model.reference_expert.config.in_channels,
         (num_frames - 1) // model.temporal_stride + 1,
         cond.height // stride,
         cond.width // stride,
     )
+
+
+def initial_noise(model: WanVACEModel, cond: VACEConditioning, seed: int) -> torch.Tensor:
+    """The starting noise, drawn like diffusers with `torch.Generator("cpu").manual_seed(seed)`."""
+    shape = initial_noise_shape(model, cond)
     generator = torch.Generator("cpu").manual_seed(seed)
     return randn_tensor(shape, generator=generator, device=model.device, dtype=torch.float32)
+
+
+def sequence_length(model: WanVACEModel, cond: VACEConditioning) -> int:
+    """Tokens the experts see per call: latent frames x latent height and width over the patch size."""
+    _, frames, height, width = initial_noise_shape(model, cond)[1:]
+    p_t, p_h, p_w = model.reference_expert.config.patch_size
+    return (frames // p_t) * (height // p_h) * (width // p_w)
 
 
 def _check_conditioning_matches(model: WanVACEModel, cond: VACEConditioning) -> None:
@@ -175,15 +186,41 @@ def _released_on_error(model: WanVACEModel):
         raise
 
 
-def _expert_runs(model: WanVACEModel, plan: _ExpertPlan, timesteps, settings: SamplerSettings) -> list[ExpertRun]:
+def _expert_runs(
+    model: WanVACEModel, plan: _ExpertPlan, timesteps, settings: SamplerSettings, guidance: Guidance
+) -> list[ExpertRun]:
     counts: dict[str, int] = {}
-    guidance: dict[str, float] = {}
+    scales: dict[str, float] = {}
     for t in timesteps:
         expert, scale = plan.pick(model, t, settings)
         attribute = "transformer" if expert is model.transformer else "transformer_2"
         counts[attribute] = counts.get(attribute, 0) + 1
-        guidance[attribute] = scale
-    return [ExpertRun(attribute, steps, guidance[attribute] > 1.0) for attribute, steps in counts.items()]
+        scales[attribute] = scale
+    return [
+        ExpertRun(attribute, steps, guidance.calls_per_step(scales[attribute]) == 2)
+        for attribute, steps in counts.items()
+    ]
+
+
+class Guidance:
+    """How one step's prediction is made from the expert: cond, then uncond when the scale is above 1.0.
+
+    `sample` asks this for every step; a parallel run replaces it (`parallel.guidance`) with one that
+    computes each branch on its own devices. Both combine `uncond + scale * (cond - uncond)` in the same order.
+    """
+
+    def calls_per_step(self, scale: float) -> int:
+        """Expert calls this process makes per step (cache-dit's separate-CFG bookkeeping needs it)."""
+        return 2 if scale > 1.0 else 1
+
+    def predict(self, expert, scale: float, cond: VACEConditioning, common: dict) -> torch.Tensor:
+        with expert.cache_context("cond"):
+            noise_pred = expert(encoder_hidden_states=cond.prompt_embeds, **common)[0]
+        if scale > 1.0:
+            with expert.cache_context("uncond"):
+                noise_uncond = expert(encoder_hidden_states=cond.negative_prompt_embeds, **common)[0]
+                noise_pred = noise_uncond + scale * (noise_pred - noise_uncond)
+        return noise_pred
 
 
 @torch.no_grad()
@@ -193,17 +230,25 @@ def sample(
     settings: SamplerSettings,
     callback: StepCallback | None = None,
     cache: CacheOptions | None = None,
+    guidance: Guidance | None = None,
 ) -> SampleResult:
-    """Denoises `cond` with the dual-expert loop; `cache` turns on Cache-DiT for this run only."""
+    """Denoises `cond` with the dual-expert loop; `cache` turns on Cache-DiT for this run only.
+
+    A model whose experts run in parallel workers (`model.remote`) hands the whole run to them.
+    """
+    if model.remote is not None:
+        return model.remote.sample(cond, settings, callback, cache, tokens=sequence_length(model, cond))
+    guidance = guidance or Guidance()
     _check_conditioning_matches(model, cond)
     scheduler, timesteps = scheduled_timesteps(model, settings)
     plan = _plan(model, settings)
-    cached = None if cache is None else CachedExperts(model, cache, _expert_runs(model, plan, timesteps, settings))
+    runs = _expert_runs(model, plan, timesteps, settings, guidance)
+    cached = None if cache is None else CachedExperts(model, cache, runs)
     latents = initial_noise(model, cond, settings.seed)
     dtype = model.transformer_dtype
     with _released_on_error(model), cached if cached is not None else contextlib.nullcontext():
         for index, t in enumerate(timesteps):
-            expert, guidance = plan.pick(model, t, settings)
+            expert, scale = plan.pick(model, t, settings)
             latent_input = latents.to(dtype)
             timestep = t.expand(latents.shape[0])
             common = {
@@ -213,12 +258,7 @@ def sample(
                 "control_hidden_states_scale": cond.conditioning_scale,
                 "return_dict": False,
             }
-            with expert.cache_context("cond"):
-                noise_pred = expert(encoder_hidden_states=cond.prompt_embeds, **common)[0]
-            if guidance > 1.0:
-                with expert.cache_context("uncond"):
-                    noise_uncond = expert(encoder_hidden_states=cond.negative_prompt_embeds, **common)[0]
-                    noise_pred = noise_uncond + guidance * (noise_pred - noise_uncond)
+            noise_pred = guidance.predict(expert, scale, cond, common)
             latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
             if callback is not None:
                 callback(index, len(timesteps), latents)

@@ -1,0 +1,196 @@
+"""The parallel workers as ComfyUI uses them: started by the loader, serving prompts, surviving cancel,
+failing cleanly when a worker dies or hangs, and leaving nothing behind.
+
+The experts run in `python -m wanvace_core.worker` processes on gloo CPU ranks (`devices=cpu,cpu`); the
+reference is the same tiny pipeline loaded in this process.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from tests.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH
+from wanvace_core import (
+    CacheOptions,
+    ExpertCacheLimits,
+    SamplerSettings,
+    VACEInputs,
+    WanVACEInputError,
+    load_pipeline,
+    prepare_conditioning,
+    sample,
+)
+from wanvace_core.parallel import ParallelOptions, WanVACEWorkerError, messages
+
+SETTINGS = SamplerSettings(seed=5, steps=6, cfg=5.0, cfg_low_noise=4.0)
+# Caches some steps of both experts on the tiny model (checked below: a cache that never hits proves nothing).
+CACHE = CacheOptions(residual_diff_threshold=0.3, high_noise=ExpertCacheLimits(1), low_noise=ExpertCacheLimits(1))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    # A zombie is gone for every purpose but its parent's bookkeeping.
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def _wait_gone(pids, within_s: float = 20.0) -> list[int]:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+        time.sleep(0.2)
+    return [pid for pid in pids if _alive(pid)]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_folder):
+    model = load_pipeline(tiny_folder, "fp32")
+    cond = prepare_conditioning(
+        model, VACEInputs(positive=PROMPT, negative=NEGATIVE, width=WIDTH, height=HEIGHT, length=LENGTH)
+    )
+    return model, cond
+
+
+@pytest.fixture(scope="module")
+def cfg_parallel_model(tiny_folder):
+    model = load_pipeline(
+        tiny_folder, "fp32", parallel=ParallelOptions(devices=("cpu", "cpu"), shard="none", cfg_parallel=True)
+    )
+    yield model
+    model.remote.close()
+
+
+def test_cfg_parallel_equals_one_process_bitwise_with_and_without_cache(reference, cfg_parallel_model):
+    model, cond = reference
+    for cache in (None, CACHE):
+        expected = sample(model, cond, SETTINGS, cache=cache)
+        got = sample(cfg_parallel_model, cond, SETTINGS, cache=cache)
+        assert torch.equal(got.latents, expected.latents)
+        assert got.cache_report == expected.cache_report
+    report = got.cache_report
+    assert all(expert.cached_steps and expert.cfg_cached_steps for expert in report.experts), report
+
+
+def test_consecutive_prompts_and_a_cancel_keep_the_same_workers_and_result(reference, cfg_parallel_model):
+    model, cond = reference
+    pids = cfg_parallel_model.remote.workers.pids
+    expected = sample(model, cond, SETTINGS).latents
+    seen = []
+
+    class Cancel(Exception):
+        pass
+
+    def cancel_at_two(index, total, latents):
+        seen.append((index, total, latents.shape))
+        if index == 1:
+            raise Cancel
+
+    with pytest.raises(Cancel):
+        sample(cfg_parallel_model, cond, SETTINGS, callback=cancel_at_two)
+    assert [step[0] for step in seen] == [0, 1]  # stopped within a step
+    assert seen[0][2] == expected.shape
+    for _ in range(2):
+        progress = []
+        got = sample(cfg_parallel_model, cond, SETTINGS, callback=lambda i, n, _l, seen=progress: seen.append((i, n)))
+        assert torch.equal(got.latents, expected)
+        assert progress == [(i, SETTINGS.steps) for i in range(SETTINGS.steps)]
+    assert cfg_parallel_model.remote.workers.pids == pids
+
+
+def test_guidance_one_on_both_experts_is_refused_under_cfg_parallel(reference, cfg_parallel_model):
+    _model, cond = reference
+    with pytest.raises(WanVACEInputError, match="cfg_parallel is on but both guidance scales"):
+        sample(cfg_parallel_model, cond, SamplerSettings(seed=1, steps=2, cfg=1.0, cfg_low_noise=1.0))
+
+
+def _parallel(tiny_folder, **kwargs):
+    options = {"devices": ("cpu", "cpu"), "shard": "none", "cfg_parallel": True, **kwargs}
+    return load_pipeline(tiny_folder, "fp32", parallel=ParallelOptions(**options))
+
+
+def test_a_killed_worker_fails_the_prompt_and_the_next_prompt_starts_fresh_workers(reference, tiny_folder):
+    model, cond = reference
+    expected = sample(model, cond, SETTINGS).latents
+    parallel = _parallel(tiny_folder, timeout_s=60.0)
+    old = parallel.remote.workers.pids
+
+    def kill_rank_one(index, _total, _latents):
+        if index == 1:
+            os.kill(old[1], signal.SIGKILL)
+
+    started = time.monotonic()
+    with pytest.raises(WanVACEWorkerError, match=r"(rank 1 exited|closed the connection|failed)"):
+        sample(parallel, cond, SETTINGS, callback=kill_rank_one)
+    assert time.monotonic() - started < 60
+    assert _wait_gone(old) == []
+    got = sample(parallel, cond, SETTINGS)
+    assert torch.equal(got.latents, expected)
+    assert set(parallel.remote.workers.pids).isdisjoint(old)
+    parallel.remote.close()
+
+
+def test_a_hung_worker_times_out_and_is_stopped(reference, tiny_folder):
+    model, cond = reference
+    parallel = _parallel(tiny_folder, timeout_s=4.0)
+    old = parallel.remote.workers.pids
+
+    def hang_rank_one(index, _total, _latents):
+        if index == 0:
+            os.kill(old[1], signal.SIGSTOP)
+
+    started = time.monotonic()
+    with pytest.raises(WanVACEWorkerError, match="sent nothing for timeout_s=4 s"):
+        sample(parallel, cond, SETTINGS, callback=hang_rank_one)
+    assert time.monotonic() - started < 30
+    assert _wait_gone(old) == []
+    assert torch.equal(sample(parallel, cond, SETTINGS).latents, sample(model, cond, SETTINGS).latents)
+    parallel.remote.close()
+
+
+def test_freeing_the_model_stops_its_workers(tiny_folder):
+    parallel = _parallel(tiny_folder)
+    pids = parallel.remote.workers.pids
+    del parallel
+    assert _wait_gone(pids) == []
+
+
+def test_workers_exit_when_the_comfyui_process_dies(tiny_folder, tmp_path):
+    script = textwrap.dedent(
+        f"""
+        import os, sys
+        from wanvace_core import load_pipeline
+        from wanvace_core.parallel import ParallelOptions
+        model = load_pipeline({str(tiny_folder)!r}, "fp32",
+                              parallel=ParallelOptions(devices=("cpu", "cpu"), shard="none", cfg_parallel=True))
+        print("PIDS", *model.remote.workers.pids, flush=True)
+        os.kill(os.getpid(), 9)
+        """
+    )
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run([sys.executable, "-c", script], cwd=repo, capture_output=True, text=True, timeout=300)
+    pids = [int(pid) for line in result.stdout.splitlines() if line.startswith("PIDS") for pid in line.split()[1:]]
+    assert len(pids) == 2, result.stdout + result.stderr
+    assert _wait_gone(pids) == []
+
+
+def test_a_message_of_another_protocol_version_is_refused():
+    data = messages.encode("hello")
+    tampered = torch.load(__import__("io").BytesIO(data), weights_only=True)
+    tampered["version"] = messages.PROTOCOL_VERSION + 1
+    buffer = __import__("io").BytesIO()
+    torch.save(tampered, buffer)
+    with pytest.raises(WanVACEWorkerError, match="protocol version"):
+        messages.decode(buffer.getvalue())

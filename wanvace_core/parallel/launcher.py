@@ -1,0 +1,335 @@
+"""The ComfyUI side of the parallel workers: start or join them, load the experts there, run prompts.
+
+`RemoteExperts` is what a loaded `WanVACEModel` holds in `remote` when its experts run in workers: the
+sampler hands whole runs to it. Workers are separate processes (`python -m wanvace_core.worker`), never
+`multiprocessing` children: spawning from inside ComfyUI re-runs ComfyUI's `main.py` in each child.
+
+- `local`: one worker per listed device is started here with `subprocess`, and stopped when the model is
+  freed, when ComfyUI exits (a finalizer), or, if ComfyUI dies, by the workers themselves (they watch it).
+- `torchrun`: the workers were started on their machines by torchrun; this process connects to rank 0's
+  control address (`endpoint`). Freeing the model releases theirs; they stay up for the next load.
+
+A worker that dies, or sends nothing for `timeout_s` (no step finished, no load finished), fails the
+prompt with what its log says; local workers are then stopped, and the next prompt starts fresh ones.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from collections.abc import Callable
+from multiprocessing.connection import Client, Connection
+from pathlib import Path
+
+import torch
+
+from ..caching import CacheOptions
+from ..conditioning import VACEConditioning
+from ..sampling import SampleResult, SamplerSettings
+from . import messages
+from .messages import WanVACEWorkerError
+from .options import ParallelOptions
+from .rank import DEVICES_ENV, KEY_ENV, PARENT_ENV
+
+logger = logging.getLogger(__name__)
+
+_PACKAGE_PARENT = Path(__file__).resolve().parents[2]  # the folder that holds `wanvace_core`
+_POLL_S = 0.2
+_STOP_GRACE_S = 10.0
+_START_S = 180.0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _tail(path: Path, lines: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+class LocalWorkers:
+    """One `python -m wanvace_core.worker` process per listed device, on this machine."""
+
+    def __init__(self, options: ParallelOptions) -> None:
+        self.options = options
+        self.key = secrets.token_hex(16)
+        self.address = ("127.0.0.1", _free_port())
+        self.logs = Path(tempfile.mkdtemp(prefix="wanvace-workers-"))
+        world = options.world_size
+        threads = max(1, (os.cpu_count() or 1) // world) if options.device_type == "cpu" else None
+        master_port = str(_free_port())
+        self.processes: list[subprocess.Popen] = []
+        for rank in range(world):
+            env = dict(os.environ)
+            env.update(
+                RANK=str(rank),
+                WORLD_SIZE=str(world),
+                LOCAL_RANK=str(rank),
+                LOCAL_WORLD_SIZE=str(world),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=master_port,
+                PYTHONPATH=os.pathsep.join([str(_PACKAGE_PARENT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+                **{KEY_ENV: self.key, DEVICES_ENV: ",".join(options.devices), PARENT_ENV: str(os.getpid())},
+            )
+            if threads is not None:
+                env["OMP_NUM_THREADS"] = str(threads)
+            log = open(self.logs / f"rank{rank}.log", "wb")
+            command = [
+                sys.executable,
+                "-m",
+                "wanvace_core.worker",
+                "--once",
+                "--serve",
+                f"{self.address[0]}:{self.address[1]}",
+            ]
+            self.processes.append(
+                subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(_PACKAGE_PARENT))
+            )
+            log.close()
+        logger.info("Started %d WanVACE workers (%s); logs in %s", world, ",".join(options.devices), self.logs)
+
+    def problem(self) -> str | None:
+        """Why the workers cannot go on (a rank exited), or None while all run."""
+        for rank, process in enumerate(self.processes):
+            code = process.poll()
+            if code is not None:
+                return (
+                    f"worker rank {rank} exited with code {code}; its log ends:\n{_tail(self.logs / f'rank{rank}.log')}"
+                )
+        return None
+
+    def log_tails(self) -> str:
+        return "\n".join(
+            f"--- rank {r} ---\n{_tail(self.logs / f'rank{r}.log', 8)}" for r in range(len(self.processes))
+        )
+
+    def stop(self, grace_s: float = _STOP_GRACE_S) -> None:
+        deadline = time.monotonic() + grace_s
+        for process in self.processes:
+            try:
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+    def kill(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGKILL)
+        for process in self.processes:
+            process.wait()
+
+    @property
+    def pids(self) -> list[int]:
+        return [process.pid for process in self.processes]
+
+
+class RemoteExperts:
+    """The experts of one loaded model, running in parallel workers. Not thread-safe (ComfyUI runs one prompt)."""
+
+    def __init__(self, options: ParallelOptions, load_request: dict, describe: str) -> None:
+        self.options = options
+        self.load_request = load_request
+        self.describe = describe
+        self.workers: LocalWorkers | None = None
+        self.conn: Connection | None = None
+        self.held_bytes: int | None = None
+        self.starts = 0
+        self._finalizer: weakref.finalize | None = None
+
+    # -- life cycle ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Starts (or joins) the workers and loads the experts there; raises what went wrong."""
+        self.starts += 1
+        try:
+            if self.options.launcher == "local":
+                self.workers = LocalWorkers(self.options)
+                address, key = self.workers.address, self.workers.key.encode()
+            else:
+                host, _, port = self.options.endpoint.rpartition(":")
+                address, key = (host, int(port)), os.environ.get(KEY_ENV, "wanvace-local-workers").encode()
+            self.conn = self._connect(address, key)
+            hello = self._receive(max(self.options.timeout_s, _START_S), "to greet")
+            if hello["world"] != self.options.world_size:
+                raise WanVACEWorkerError(
+                    f"the workers at {self.options.endpoint} are {hello['world']} ranks, but devices lists "
+                    f"{self.options.world_size}; list one device per worker rank (all machines' "
+                    "--nproc-per-node together)."
+                )
+            outcome = self._request(
+                "load", self.load_request, "to load the experts", max(self.options.timeout_s, _START_S)
+            )
+            self.held_bytes = outcome["held_bytes"]
+        except BaseException:
+            self._abandon()
+            raise
+        self._finalizer = weakref.finalize(self, _close_quietly, self.conn, self.workers, self.options.launcher)
+        logger.info("WanVACE experts of %s loaded in %d workers", self.describe, self.options.world_size)
+
+    def close(self) -> None:
+        """Frees the experts in the workers; local workers exit, torchrun ones wait for the next load."""
+        if self._finalizer is not None:
+            self._finalizer()
+            self._finalizer = None
+        self.conn, self.workers = None, None
+
+    @property
+    def running(self) -> bool:
+        return self.conn is not None
+
+    def _abandon(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
+        if self.conn is not None:
+            self.conn.close()
+        if self.workers is not None:
+            self.workers.kill()
+        self.conn, self.workers = None, None
+
+    def _connect(self, address, key: bytes) -> Connection:
+        # Starting Python and importing torch/diffusers takes a while on a busy machine: never less than this.
+        wait_s = max(self.options.timeout_s, _START_S)
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return Client(address, authkey=key)
+            except (ConnectionRefusedError, FileNotFoundError, OSError) as error:
+                self._check_workers()
+                if time.monotonic() > deadline:
+                    where = f"{address[0]}:{address[1]}"
+                    raise WanVACEWorkerError(
+                        f"no WanVACE worker answered at {where} within {wait_s:g} s "
+                        f"({error}); for launcher=torchrun start the workers first (see the README) and give "
+                        "rank 0's --serve address as endpoint."
+                    ) from error
+                time.sleep(_POLL_S)
+
+    def _check_workers(self) -> None:
+        problem = None if self.workers is None else self.workers.problem()
+        if problem:
+            raise WanVACEWorkerError(f"{problem}\nThe next prompt starts fresh workers.")
+
+    def _receive(self, timeout_s: float, doing: str) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                ready = self.conn.poll(_POLL_S)
+            except (EOFError, OSError):
+                ready = True
+            if ready:
+                try:
+                    return messages.decode(self.conn.recv_bytes())
+                except (EOFError, OSError) as error:
+                    self._check_workers()
+                    raise WanVACEWorkerError(
+                        f"the WanVACE workers closed the connection while trying {doing}; the next prompt starts "
+                        "fresh workers."
+                    ) from error
+            self._check_workers()
+            if time.monotonic() > deadline:
+                tails = "" if self.workers is None else "\n" + self.workers.log_tails()
+                raise WanVACEWorkerError(
+                    f"the WanVACE workers sent nothing for timeout_s={timeout_s:g} s while trying {doing} (a worker "
+                    f"hangs or is far too slow); they were stopped and the next prompt starts fresh ones. Raise "
+                    f"timeout_s in WanVACE Parallel Options if a step really takes that long.{tails}"
+                )
+
+    def _outcome(self, message: dict, doing: str) -> dict:
+        if message["kind"] == "error":
+            if message.get("fatal"):
+                self._abandon()
+            raise WanVACEWorkerError(f"the WanVACE workers failed trying {doing}: {message['error']}")
+        return message
+
+    def _request(self, kind: str, fields: dict, doing: str, timeout_s: float) -> dict:
+        self.conn.send_bytes(messages.encode(kind, **fields))
+        return self._outcome(self._receive(timeout_s, doing), doing)
+
+    # -- sampling --------------------------------------------------------------------------------
+
+    def sample(
+        self,
+        cond: VACEConditioning,
+        settings: SamplerSettings,
+        callback: Callable[[int, int, torch.Tensor], None] | None,
+        cache: CacheOptions | None,
+        tokens: int,
+    ) -> SampleResult:
+        """Runs `sample` in the workers; `tokens` is the run's sequence length (checked against Ulysses)."""
+        self.options.check_guidance(settings.cfg, settings.cfg_low_noise)
+        self.options.check_tokens(tokens)
+        if not self.running:
+            self.start()  # the previous workers died or hung: fresh ones
+        fields = {
+            "cond": messages.conditioning_fields(cond),
+            "settings": messages.plain(settings),
+            "cache": None if cache is None else messages.plain(cache),
+        }
+        try:
+            self.conn.send_bytes(messages.encode("sample", **fields))
+            stopping: BaseException | None = None
+            while True:
+                message = self._receive(self.options.timeout_s, "to run a step")
+                if message["kind"] != "progress":
+                    break
+                if callback is not None and stopping is None:
+                    try:
+                        callback(message["index"], message["total"], message["latents"])
+                    except BaseException as error:  # ComfyUI's cancel: stop the workers within a step
+                        stopping = error
+                        self.conn.send_bytes(messages.encode("cancel"))
+        except WanVACEWorkerError:
+            self._abandon()
+            raise
+        if stopping is not None:
+            if message["kind"] == "error":
+                self._outcome(message, "to stop")
+            raise stopping
+        if message["kind"] == "cancelled":
+            raise WanVACEWorkerError(f"the WanVACE workers stopped the run: {message['error']}")
+        message = self._outcome(message, "to sample")
+        return SampleResult(latents=message["latents"], cache_report=messages.report_from(message["report"]))
+
+
+def _close_quietly(conn: Connection | None, workers: LocalWorkers | None, launcher: str) -> None:
+    try:
+        if conn is not None:
+            conn.send_bytes(messages.encode("shutdown" if launcher == "local" else "release"))
+            if conn.poll(_STOP_GRACE_S):
+                conn.recv_bytes()
+            conn.close()
+    except (EOFError, OSError):
+        pass
+    if workers is not None:
+        workers.stop()
+
+
+def remote_experts(model, options: ParallelOptions, offload, source: dict) -> RemoteExperts:
+    """The workers' side of `model` (experts on meta here), checked against the model; not started yet."""
+    options.check_heads(model.reference_expert.config.num_attention_heads)
+    options.check_devices(torch.cuda.device_count() if options.device_type == "cuda" else 0)
+    request = {
+        "options": messages.plain(options),
+        "source": source,
+        "torch_dtype": str(model.dtype).removeprefix("torch."),
+        "offload": messages.plain(offload),
+        "vae_config": dict(model.vae.config),
+        "scheduler_config": dict(model.scheduler_config),
+        "boundary_ratio": model.boundary_ratio,
+    }
+    return RemoteExperts(options, request, str(model.source))

@@ -1,0 +1,465 @@
+"""One parallel worker rank: joins the others, loads its part of the experts, runs the requests rank 0 relays.
+
+Started as `python -m wanvace_core.worker`, either by `launcher.LocalWorkers` (one process per listed device,
+on this machine) or by `torchrun` on each machine. All ranks find each other through torch.distributed's
+`env://` rendezvous (torchrun sets its variables; the local launcher sets the same ones). The store of that
+rendezvous carries the requests from rank 0 to the others and each rank's status back, so the compute
+groups (created per loaded model) only ever carry tensors.
+
+Rank 0 also listens on the control address (`--serve host:port`) for the ComfyUI process
+(`launcher.RemoteExperts`), one connection at a time, and speaks `messages` to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import Connection, Listener
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..errors import WanVACEError
+from ..model import WanVACEModel
+from ..offload import OffloadOptions, OnDevice, make_residency
+from ..sampling import sample
+from . import messages
+from .guidance import ParallelGuidance
+from .options import ParallelOptions
+
+logger = logging.getLogger("wanvace_core.worker")
+
+KEY_ENV = "WANVACE_WORKER_KEY"
+DEVICES_ENV = "WANVACE_WORKER_DEVICES"
+PARENT_ENV = "WANVACE_WORKER_PARENT"
+_POLL = timedelta(seconds=5)
+
+
+class Cancelled(WanVACEError):
+    """Rank 0 told every rank to stop at this step (the prompt was cancelled in ComfyUI)."""
+
+
+class CoordinatorGone(WanVACEError):
+    """The ComfyUI process closed the connection."""
+
+
+def authkey() -> bytes:
+    """The shared secret of the control connection: set the same WANVACE_WORKER_KEY for ComfyUI and torchrun."""
+    return os.environ.get(KEY_ENV, "wanvace-local-workers").encode()
+
+
+class StoreRelay:
+    """Requests from rank 0 to every rank, per-step decisions and per-rank statuses, through the store."""
+
+    def __init__(self, store: dist.Store, rank: int, world: int) -> None:
+        self.store = dist.PrefixStore("wanvace/", store)
+        self.rank = rank
+        self.world = world
+        self.sequence = 0
+
+    def publish(self, data: bytes) -> int:
+        if self.sequence:
+            self.store.delete_key(f"request{self.sequence - 1}")  # every rank has answered it by now
+        self.store.set(f"request{self.sequence}", data)
+        self.sequence += 1
+        return self.sequence - 1
+
+    def receive(self) -> tuple[int, bytes]:
+        key = f"request{self.sequence}"
+        while True:
+            try:
+                self.store.wait([key], _POLL)
+                break
+            except dist.DistStoreError:
+                continue
+        self.sequence += 1
+        return self.sequence - 1, self.store.get(key)
+
+    def answer(self, request: int, payload: bytes) -> None:
+        self.store.set(f"status{request}/{self.rank}", payload)
+
+    def answers(self, request: int, timeout: timedelta) -> list[dict]:
+        keys = [f"status{request}/{rank}" for rank in range(self.world)]
+        self.store.wait(keys, timeout)
+        found = [messages.decode(self.store.get(key)) for key in keys]
+        for key in keys:
+            self.store.delete_key(key)
+        return found
+
+    def decide(self, request: int, step: int, stop: bool) -> None:
+        self.store.set(f"step{request}/{step}", b"stop" if stop else b"go")
+
+    def decision(self, request: int, step: int) -> bool:
+        return self.store.get(f"step{request}/{step}") == b"stop"
+
+    def forget_steps(self, request: int, steps: int) -> None:
+        for step in range(steps):
+            self.store.delete_key(f"step{request}/{step}")
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    model: WanVACEModel
+    options: ParallelOptions
+    guidance: ParallelGuidance | None
+    branch: int
+    branch_rank: int
+
+
+def _device_for(rank: int) -> torch.device:
+    listed = os.environ.get(DEVICES_ENV)
+    if listed:
+        return torch.device(listed.split(",")[rank])
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+class _NoRefill:
+    """Workers load once per model; ComfyUI never asks them to unload parts of it."""
+
+    def refill(self, name, module, device):
+        raise messages.WanVACEWorkerError(f"a parallel worker cannot read back {name}; load the model again")
+
+
+def _meta_vae(config: dict):
+    from accelerate import init_empty_weights
+    from diffusers import AutoencoderKLWan
+
+    # Only its config is read on a worker (the latent strides); the weights stay with ComfyUI.
+    with init_empty_weights():
+        return AutoencoderKLWan.from_config(config)
+
+
+class Rank:
+    def __init__(self, store: dist.Store, rank: int, world: int, device: torch.device) -> None:
+        self.store = store
+        self.rank = rank
+        self.world = world
+        self.device = device
+        self.relay = StoreRelay(store, rank, world)
+        self.loaded: LoadedModel | None = None
+        self.sessions = 0
+        self.decided_steps = 0
+
+    # -- loading ---------------------------------------------------------------------------------
+
+    def load(self, request: dict) -> dict:
+        self.release()
+        options = messages.parallel_from(request["options"])
+        layout = options.layout
+        branch, branch_rank = layout.branch_of(self.rank), layout.branch_rank(self.rank)
+        self.sessions += 1
+        prefix = f"session{self.sessions}/"
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        # Each CFG branch is its own world: cache-dit reduces its decision over the default group.
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(f"{prefix}branch{branch}/", self.store),
+            rank=branch_rank,
+            world_size=layout.branch_size,
+            timeout=timedelta(seconds=options.timeout_s),
+        )
+        guidance = None
+        if options.cfg_parallel:
+            peers = dist.ProcessGroupGloo(
+                dist.PrefixStore(f"{prefix}peers{branch_rank}/", self.store),
+                branch,
+                2,
+                timedelta(seconds=options.timeout_s),
+            )
+            guidance = ParallelGuidance(branch, peers)
+        from .groups import ParallelGroups
+
+        groups = ParallelGroups.create(layout, self.device)
+        offload = messages.offload_from(request["offload"])
+        experts = self._load_experts(request, options, groups, offload)
+        if options.ulysses_degree > 1:
+            from .sequence import apply_ulysses
+
+            for expert in experts.values():
+                apply_ulysses(expert, groups.ulysses_group)
+        from ..interleave import apply_interleaved_vace
+
+        for expert in experts.values():
+            apply_interleaved_vace(expert)
+        dtype = getattr(torch, request["torch_dtype"])
+        model = WanVACEModel(
+            source=Path(request["source"]["path"]),
+            dtype=dtype,
+            device=self.device,
+            tokenizer=None,
+            text_encoder=None,
+            vae=_meta_vae(request["vae_config"]),
+            transformer=experts.get("transformer"),
+            transformer_2=experts.get("transformer_2"),
+            scheduler_config=dict(request["scheduler_config"]),
+            boundary_ratio=request["boundary_ratio"],
+            weights=_NoRefill(),
+        )
+        if options.shard == "none" and offload.mode != "none":
+            model.residency = make_residency(offload, experts, _NoRefill(), self.device)
+        else:
+            model.residency = OnDevice(experts, _NoRefill(), self.device)
+        self.loaded = LoadedModel(model, options, guidance, branch, branch_rank)
+        held = sum(t.numel() * t.element_size() for e in experts.values() for t in _local_tensors(e))
+        return {"held_bytes": held}
+
+    def _load_experts(self, request: dict, options: ParallelOptions, groups, offload: OffloadOptions) -> dict:
+        source = request["source"]
+        dtype = getattr(torch, request["torch_dtype"])
+        if options.shard != "none":
+            from .sharding import load_sharded_experts
+
+            return load_sharded_experts(
+                _source_of(source), dtype, groups.shard_mesh, self.device, cpu_offload=offload.mode != "none"
+            )
+        load_device = self.device if offload.mode == "none" else torch.device("cpu")
+        return _whole_experts(_source_of(source), dtype, load_device, source)
+
+    def release(self) -> None:
+        if self.loaded is None:
+            return
+        self.loaded.model.close_residency()
+        self.loaded = None
+        dist.destroy_process_group()
+
+    # -- sampling --------------------------------------------------------------------------------
+
+    def sample(self, request_id: int, request: dict, conn: Connection | None) -> dict:
+        if self.loaded is None:
+            raise messages.WanVACEWorkerError("no model is loaded in the workers; load it first")
+        loaded = self.loaded
+        cond = messages.conditioning_from(request["cond"], self.device)
+        settings = messages.settings_from(request["settings"])
+        cache = messages.cache_from(request["cache"])
+        steps = [0]
+
+        def callback(index: int, total: int, latents: torch.Tensor) -> None:
+            steps[0] = index + 1
+            if self.rank == 0:
+                conn.send_bytes(messages.encode("progress", index=index, total=total, latents=latents.cpu()))
+                stop = _cancel_requested(conn)
+                self.relay.decide(request_id, index, stop)
+            else:
+                stop = self.relay.decision(request_id, index)
+            if stop:
+                raise Cancelled(f"cancelled after step {index + 1} of {total}")
+
+        try:
+            result = sample(loaded.model, cond, settings, callback=callback, cache=cache, guidance=loaded.guidance)
+        finally:
+            self.decided_steps = steps[0]  # rank 0 deletes the decisions once every rank has answered
+        report = None if result.cache_report is None else messages.plain(result.cache_report)
+        guided = {"high-noise": settings.cfg > 1.0, "low-noise": settings.cfg_low_noise > 1.0}
+        return {
+            "latents": result.latents.cpu() if self.rank == 0 else None,
+            "report": report,
+            "branch": loaded.branch,
+            "guided": guided,
+        }
+
+    # -- the request loop ------------------------------------------------------------------------
+
+    def handle(self, request_id: int, request: dict, conn: Connection | None) -> dict:
+        kind = request["kind"]
+        if kind == "load":
+            return self.load(request)
+        if kind == "sample":
+            return self.sample(request_id, request, conn)
+        if kind in ("release", "shutdown"):
+            self.release()
+            return {}
+        raise messages.WanVACEWorkerError(f"unknown request {kind!r}")
+
+    def serve_peer(self) -> None:
+        """Ranks other than 0: run what rank 0 relays until it says shutdown."""
+        while True:
+            request_id, data = self.relay.receive()
+            request = messages.decode(data)
+            answer = self._answer(request_id, request, None)
+            self.relay.answer(request_id, answer)
+            if request["kind"] == "shutdown":
+                return
+
+    def _answer(self, request_id: int, request: dict, conn: Connection | None) -> bytes:
+        try:
+            return messages.encode("ok", **self.handle(request_id, request, conn))
+        except Cancelled as error:
+            return messages.encode("cancelled", error=str(error))
+        except BaseException as error:  # reported to ComfyUI, then this rank leaves: its groups may be broken
+            logger.exception("WanVACE worker rank %d failed on %s", self.rank, request["kind"])
+            return messages.encode(
+                "error",
+                error=f"rank {self.rank}: {type(error).__name__}: {error}",
+                trace=traceback.format_exc(),
+                fatal=not isinstance(error, WanVACEError),
+            )
+
+    def serve_coordinator(self, listener: Listener, keep_serving: bool) -> None:
+        """Rank 0: accept the ComfyUI process, relay its requests, answer with every rank's outcome."""
+        while True:
+            conn = listener.accept()
+            try:
+                finished = self._session(conn)
+            finally:
+                conn.close()
+            if finished or not keep_serving:
+                if not finished:
+                    self._relay_and_run({"version": messages.PROTOCOL_VERSION, "kind": "shutdown"}, None)
+                return
+
+    def _session(self, conn: Connection) -> bool:
+        conn.send_bytes(messages.encode("hello", world=self.world, pid=os.getpid()))
+        while True:
+            try:
+                data = conn.recv_bytes()
+            except (EOFError, OSError):
+                self._relay_and_run({"version": messages.PROTOCOL_VERSION, "kind": "release"}, None)
+                return False
+            request = messages.decode(data)
+            outcome = self._relay_and_run(request, conn)
+            conn.send_bytes(outcome)
+            if request["kind"] == "shutdown":
+                return True
+            if messages.decode(outcome).get("fatal"):
+                raise SystemExit(1)
+
+    def _relay_and_run(self, request: dict, conn: Connection | None) -> bytes:
+        request_id = self.relay.publish(messages.encode(request["kind"], **_fields(request)))
+        mine = self._answer(request_id, request, conn)
+        self.relay.answer(request_id, mine)
+        answers = self.relay.answers(request_id, timedelta(seconds=_answer_timeout(self.loaded)))
+        self.relay.forget_steps(request_id, self.decided_steps)
+        self.decided_steps = 0
+        return _merge(answers)
+
+
+def _fields(request: dict) -> dict:
+    return {key: value for key, value in request.items() if key not in ("version", "kind")}
+
+
+def _answer_timeout(loaded: LoadedModel | None) -> float:
+    return 3600.0 if loaded is None else loaded.options.timeout_s
+
+
+def _merge(answers: list[dict]) -> bytes:
+    """One outcome for ComfyUI: the first error, else cancelled, else rank 0's result with both branches' reports."""
+    for answer in answers:
+        if answer["kind"] == "error":
+            return messages.encode("error", **_fields(answer))
+    if any(answer["kind"] == "cancelled" for answer in answers):
+        return messages.encode("cancelled", error=answers[0].get("error", "cancelled"))
+    result = _fields(answers[0])
+    uncond = [answer for answer in answers if answer.get("branch") == 1]
+    if uncond and result.get("report") is not None:
+        result["report"] = _with_uncond_branch(result["report"], uncond[0]["report"], result["guided"])
+    return messages.encode("ok", **result)
+
+
+def _with_uncond_branch(cond_report: dict, uncond_report: dict, guided: dict) -> dict:
+    """Under cfg_parallel branch 0 made only conditional calls and branch 1 only unconditional ones."""
+    experts = []
+    for cond_expert, uncond_expert in zip(cond_report["experts"], uncond_report["experts"], strict=True):
+        if guided[cond_expert["expert"]]:
+            cond_expert = {
+                **cond_expert,
+                "cfg_steps": uncond_expert["steps"],
+                "cfg_cached_steps": tuple(uncond_expert["cached_steps"]),
+            }
+        experts.append(cond_expert)
+    return {**cond_report, "experts": experts}
+
+
+def _cancel_requested(conn: Connection) -> bool:
+    try:
+        while conn.poll(0):
+            message = messages.decode(conn.recv_bytes())
+            if message["kind"] == "cancel":
+                return True
+    except (EOFError, OSError):
+        return True  # ComfyUI went away: stop now, the session loop then releases the model
+    return False
+
+
+def _local_tensors(module: torch.nn.Module):
+    for tensor in [*module.parameters(), *module.buffers()]:
+        yield tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _source_of(source: dict):
+    if source["kind"] == "folder":
+        return Path(source["path"])
+    from ..single_file import ExpertFiles
+
+    return ExpertFiles(**source["files"])
+
+
+def _whole_experts(source, dtype: torch.dtype, device: torch.device, spec: dict) -> dict:
+    """Every rank holds the whole experts (shard=none: Ulysses or CFG parallel only)."""
+    if spec["kind"] == "folder":
+        import json
+
+        from ..folder import inspect_pipeline_folder
+        from ..loading import _component_class, load_component
+
+        layout = inspect_pipeline_folder(source)
+        model_index = json.loads((layout.path / "model_index.json").read_text())
+        return {
+            name: load_component(_component_class(model_index, name), layout.components[name], dtype, device)
+            for name in ("transformer", "transformer_2")
+            if name in layout.components
+        }
+    from ..single_file import load_experts_only
+
+    return load_experts_only(source, dtype, spec["weight_dtype"], device)
+
+
+def _watch_parent(parent: int) -> None:
+    """A local worker must not outlive ComfyUI, even one killed without cleaning up."""
+
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            try:
+                os.kill(parent, 0)
+            except OSError:
+                os._exit(3)
+
+    threading.Thread(target=watch, name="wanvace-parent-watch", daemon=True).start()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m wanvace_core.worker", description=__doc__.splitlines()[0])
+    parser.add_argument("--serve", default="127.0.0.1:29511", help="rank 0's control address for ComfyUI (host:port)")
+    parser.add_argument("--once", action="store_true", help="exit when ComfyUI disconnects (the local launcher)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="[wanvace worker %(process)d] %(levelname)s %(message)s")
+    torch.set_grad_enabled(False)
+    if os.environ.get(PARENT_ENV):
+        _watch_parent(int(os.environ[PARENT_ENV]))
+    store, rank, world = next(dist.rendezvous("env://", timeout=timedelta(seconds=600)))
+    worker = Rank(store, rank, world, _device_for(rank))
+    if rank != 0:
+        worker.serve_peer()
+        return 0
+    host, _, port = args.serve.rpartition(":")
+    with Listener((host, int(port)), authkey=authkey()) as listener:
+        logger.info("rank 0 of %d serving ComfyUI on %s", world, args.serve)
+        print(f"WANVACE_WORKER_READY {args.serve}", flush=True)
+        worker.serve_coordinator(listener, keep_serving=not args.once)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
