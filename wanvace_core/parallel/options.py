@@ -31,7 +31,7 @@ def divisors(number: int) -> list[int]:
 
 
 def parse_devices(text: str) -> tuple[str, ...]:
-    """`"cuda:0, cuda:1"` -> `("cuda:0", "cuda:1")`; refuses empty entries, mixed kinds and repeated GPUs."""
+    """`"cuda:0, cuda:1"` -> `("cuda:0", "cuda:1")`; refuses empty entries and mixed kinds."""
     if not isinstance(text, str):
         raise WanVACEInputError(f"devices={text!r} is not text; list devices like 'cuda:0,cuda:1' or 'cpu,cpu'.")
     devices = tuple(part.strip() for part in text.split(",") if part.strip())
@@ -47,13 +47,17 @@ def parse_devices(text: str) -> tuple[str, ...]:
         kinds.add(kind)
     if len(kinds) > 1:
         raise WanVACEInputError(f"devices={text!r} mixes CPU and GPU workers; list only cuda:N entries or only cpu.")
+    return devices
+
+
+def _refuse_repeated_gpus(devices: tuple[str, ...]) -> None:
     gpus = [device for device in devices if device.startswith("cuda")]
     repeated = sorted({device for device in gpus if gpus.count(device) > 1})
     if repeated:
         raise WanVACEInputError(
-            f"devices={text!r} names {', '.join(repeated)} more than once; list each GPU once (one worker per GPU)."
+            f"devices={','.join(devices)!r} names {', '.join(repeated)} more than once; list each GPU once (one "
+            "worker per GPU)."
         )
-    return devices
 
 
 @dataclass(frozen=True)
@@ -116,6 +120,8 @@ class ParallelOptions:
                 "one device with shard=none is the plain single-device path; disconnect the parallel options, or "
                 "pick shard=fsdp to run the sharded path on one device."
             )
+        if self.launcher == "local":
+            _refuse_repeated_gpus(devices)
         if self.launcher == "torchrun":
             host, _, port = self.endpoint.rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
