@@ -22,10 +22,11 @@ from ..wanvace_core import (
     inspect_expert_files,
     load_expert_files,
 )
+from ..wanvace_core.parallel import ParallelOptions
 from ..wanvace_core.single_file import DEFAULT_BOUNDARY_RATIO, file_stamps, resident_bytes
 from .held import forget_last, forget_on_unload, hold, reusable
 from .memory import cooperate, make_room_before_loading
-from .types import CATEGORY, WanVACEModelType, WanVACEOffloadType
+from .types import CATEGORY, WanVACEModelType, WanVACEOffloadType, WanVACEParallelType
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +166,13 @@ class WanVACEExpertsLoader(io.ComfyNode):
                     "streams the stored (fp8/GGUF) bytes. Changing only these options re-attaches to the loaded "
                     "weights.",
                 ),
+                WanVACEParallelType.Input(
+                    "parallel",
+                    optional=True,
+                    tooltip="From WanVACE Parallel Options: the experts load and run in worker processes across "
+                    "devices or machines, each rank reading only its part (fp8/GGUF experts need weight_dtype bf16, "
+                    "fp16 or fp32 when sharded). Unconnected = this process, one device.",
+                ),
             ],
             outputs=[WanVACEModelType.Output(display_name="model", tooltip="The loaded WanVACE pipeline.")],
         )
@@ -206,28 +214,40 @@ class WanVACEExpertsLoader(io.ComfyNode):
         high_noise_vace_module: str = NONE,
         low_noise_vace_module: str = NONE,
         offload: OffloadOptions | None = None,
+        parallel: ParallelOptions | None = None,
     ) -> io.NodeOutput:
         device = comfy.model_management.get_torch_device()
         files = _expert_files(
             high_noise_model, low_noise_model, text_encoder, vae, high_noise_vace_module, low_noise_vace_module
         )
-        return io.NodeOutput(load_held_experts(files, dtype, weight_dtype, boundary_ratio, device, offload))
+        return io.NodeOutput(load_held_experts(files, dtype, weight_dtype, boundary_ratio, device, offload, parallel))
 
 
-def load_held_experts(files: ExpertFiles, dtype, weight_dtype, boundary_ratio, device, offload) -> WanVACEModel:
-    """Loads the files, or re-attaches the pipeline already loaded from them when only the offload options changed."""
+def load_held_experts(
+    files: ExpertFiles, dtype, weight_dtype, boundary_ratio, device, offload, parallel=None
+) -> WanVACEModel:
+    """Loads the files, or re-attaches the pipeline already loaded from them when only the offload options changed.
+
+    With `parallel` the experts run in workers whose offload is fixed at load, so any change loads again.
+    """
     options = offload or OffloadOptions()
     layouts = inspect_expert_files(files)
     key = ("experts", files, dtype, weight_dtype, float(boundary_ratio), str(device))
+    if parallel is not None:
+        key += (options, parallel)
     model = reusable(key, file_stamps(layouts))
     forget_last()  # other files or settings must not stay held beside this one
-    if model is not None:
+    if model is not None and parallel is not None:
+        logger.info("WanVACE: reusing the experts loaded in the parallel workers")
+    elif model is not None:
         attach_offload(model, options)
         logger.info("WanVACE: reusing the loaded experts with offload mode %r", options.mode)
     else:
-        if options.mode == "none":
+        if options.mode == "none" and parallel is None:
             make_room_before_loading(device, resident_bytes(layouts, dtype, weight_dtype))
-        model = load_expert_files(files, dtype, weight_dtype, boundary_ratio, device, offload=options)
+        model = load_expert_files(
+            files, dtype, weight_dtype, boundary_ratio, device, offload=options, parallel=parallel
+        )
     hold(key, model)
     cooperate(model, device).on_unload = forget_on_unload(model)
     return model

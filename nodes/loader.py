@@ -137,7 +137,7 @@ class WanVACEModelLoader(io.ComfyNode):
         folder = resolve_model_folder(model_name)
         options = offload or OffloadOptions()
         if parallel is not None:
-            return io.NodeOutput(_load_parallel(folder, dtype, device, options, parallel))
+            return io.NodeOutput(_load_parallel(folder, dtype, device, options, parallel, allow_pth_weights))
         if is_original_folder(folder):
             files = original_folder_files(folder, allow_pth_weights)
             return io.NodeOutput(load_held_experts(files, dtype, "auto", DEFAULT_BOUNDARY_RATIO, device, options))
@@ -161,13 +161,13 @@ class WanVACEModelLoader(io.ComfyNode):
         return io.NodeOutput(model)
 
 
-def _load_parallel(folder: str, dtype: str, device, offload: OffloadOptions, parallel: ParallelOptions):
+def _load_parallel(
+    folder: str, dtype: str, device, offload: OffloadOptions, parallel: ParallelOptions, allow_pth_weights: bool
+):
     """Experts in parallel workers, text encoder and VAE here; the workers live as long as the model."""
     if is_original_folder(folder):
-        raise WanVACEModelFolderError(
-            f"{folder} is the original release; parallel workers read diffusers folders. Convert it with diffusers, "
-            "or disconnect the parallel input."
-        )
+        files = original_folder_files(folder, allow_pth_weights)
+        return load_held_experts(files, dtype, "auto", DEFAULT_BOUNDARY_RATIO, device, offload, parallel)
     key = ("parallel", folder, dtype, str(device), offload, parallel)
     model = reusable(key, file_stamps(inspect_pipeline_folder(folder, check_weights=False)))
     forget_last()  # the previous model's workers stop once nothing holds it

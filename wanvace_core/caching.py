@@ -236,6 +236,13 @@ class CachedExperts:
                         "refusing to run uncached while caching was asked for. Disconnect the cache input or "
                         "install a cache-dit version that supports WanVACE (>= 1.5.3)."
                     )
+                if not getattr(expert, "_is_patched", False):
+                    # Without the VACE functor cache-dit's block wrapper adds only the first VACE hint.
+                    raise WanVACECacheError(
+                        f"cache-dit skipped its WanVACE patch functor for the {EXPERT_NAMES[run.attribute]} expert "
+                        f"(class {type(expert).__name__}), so VACE hints would be lost; refusing to run. Disconnect "
+                        "the cache input, or report this with your cache-dit version."
+                    )
         except (AssertionError, ValueError, TypeError, AttributeError) as error:
             self.__exit__(None, None, None)
             raise WanVACECacheError(

@@ -11,6 +11,7 @@ file has them (`quantized.QuantizedLinear`) and are dequantised per layer at com
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass, replace
@@ -304,8 +305,12 @@ def load_expert_files(
     boundary_ratio: float | None = DEFAULT_BOUNDARY_RATIO,
     device: str | torch.device = "cpu",
     offload: OffloadOptions | None = None,
+    parallel=None,
 ) -> WanVACEModel:
-    """Loads a WanVACE pipeline from single files (see `ExpertFiles`); same result type as `load_pipeline`."""
+    """Loads a WanVACE pipeline from single files (see `ExpertFiles`); same result type as `load_pipeline`.
+
+    With `parallel` (`ParallelOptions`) the experts load in parallel workers, as `load_pipeline` does.
+    """
     if dtype not in DTYPES:
         raise WanVACEModelFolderError(f"dtype={dtype!r} is not supported; choose one of {', '.join(DTYPES)}.")
     if weight_dtype not in WEIGHT_DTYPES:
@@ -324,6 +329,10 @@ def load_expert_files(
     layouts = inspect_expert_files(files)
     modules, placements = {}, {}
     for name, layout in layouts.items():
+        if parallel is not None and name in ("transformer", "transformer_2"):
+            # Loaded by the workers; here only the config is needed.
+            modules[name], placements[name] = layout.build_on_meta().eval().requires_grad_(False), {}
+            continue
         # The text encoder stays plain: transformers' T5 casts activations to its `wo` weight dtype.
         keep = name in ("transformer", "transformer_2")
         modules[name], placements[name] = _load(layout, torch_dtype, weight_dtype, load_device, keep)
@@ -350,8 +359,45 @@ def load_expert_files(
         boundary_ratio=float(boundary_ratio) if two_experts else None,
         weights=SingleFileWeights(layouts, placements),
     )
+    if parallel is not None:
+        from .parallel.launcher import remote_experts
+
+        source = {
+            "kind": "files",
+            "files": _plain_files(files),
+            "weight_dtype": weight_dtype,
+            "path": str(files.high_noise_model),
+        }
+        model.remote = remote_experts(model, parallel, offload, source)
     compose(model, offload)
+    if model.remote is not None:
+        model.remote.start()
     return model
+
+
+def load_experts_only(
+    files: ExpertFiles, dtype: torch.dtype, weight_dtype: str, device: torch.device
+) -> dict[str, torch.nn.Module]:
+    """Just the experts of `files`, whole (a parallel worker with shard=none); fp8/GGUF kept as `load_expert_files`."""
+    layouts = inspect_expert_files(files)
+    return {
+        name: _load(layouts[name], dtype, weight_dtype, device, True)[0]
+        for name in ("transformer", "transformer_2")
+        if name in layouts
+    }
+
+
+def _plain_files(files: ExpertFiles) -> dict:
+    return {
+        field.name: (str(value) if isinstance(value, Path) else value)
+        for field in dataclasses.fields(files)
+        for value in [getattr(files, field.name)]
+    }
+
+
+def expert_files_from(fields: dict) -> ExpertFiles:
+    """`_plain_files`' inverse (paths travel as text to the parallel workers)."""
+    return ExpertFiles(**{name: Path(value) if isinstance(value, str) else value for name, value in fields.items()})
 
 
 def resident_bytes(layouts: dict[str, Layout], dtype: str, weight_dtype: str) -> int:

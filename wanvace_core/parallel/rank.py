@@ -222,7 +222,12 @@ class Rank:
             from .sharding import load_sharded_experts
 
             return load_sharded_experts(
-                _source_of(source), dtype, groups.shard_mesh, self.device, cpu_offload=offload.mode != "none"
+                _source_of(source),
+                dtype,
+                groups.shard_mesh,
+                self.device,
+                cpu_offload=offload.mode != "none",
+                weight_dtype=source.get("weight_dtype", "auto"),
             )
         load_device = self.device if offload.mode == "none" else torch.device("cpu")
         return _whole_experts(_source_of(source), dtype, load_device, source)
@@ -400,9 +405,9 @@ def _local_tensors(module: torch.nn.Module):
 def _source_of(source: dict):
     if source["kind"] == "folder":
         return Path(source["path"])
-    from ..single_file import ExpertFiles
+    from ..single_file import expert_files_from
 
-    return ExpertFiles(**source["files"])
+    return expert_files_from(source["files"])
 
 
 def _whole_experts(source, dtype: torch.dtype, device: torch.device, spec: dict) -> dict:
@@ -446,6 +451,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[wanvace worker %(process)d] %(levelname)s %(message)s")
     torch.set_grad_enabled(False)
+    # FSDP2 renames a sharded expert's class (FSDPWanVACETransformer3DModel, defined in torch), and cache-dit
+    # applies its WanVACE patch functor only to classes from diffusers' modules unless told otherwise; the
+    # functor itself only needs the diffusers blocks, which FSDP leaves as they are. Read when cache-dit imports.
+    os.environ.setdefault("CACHE_DIT_PATCH_FUNCTOR_DISABLE_DIFFUSERS_CHECK", "1")
     if os.environ.get(PARENT_ENV):
         _watch_parent(int(os.environ[PARENT_ENV]))
     store, rank, world = next(dist.rendezvous("env://", timeout=timedelta(seconds=600)))

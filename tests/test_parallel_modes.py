@@ -1,0 +1,95 @@
+"""Every parallel mode through the real workers equals the single-process result, with caching on and off.
+
+Two (or four) gloo CPU workers run the tiny pipeline in fp32. Sharding (FSDP, HSDP) and CFG parallel
+reorder no reduction, so they are bitwise equal (CPU GEMM kernels pick their path by the weights' address
+alignment: sharded weights are gathered into fresh buffers, so their reference holds its weights in fresh
+allocations too, while workers holding whole experts use them in place from the file, as the reference does); Ulysses attends over all-to-all'd head groups, whose
+softmax sums run in another order: within `ULYSSES_TOLERANCE` (max abs, latents of magnitude ~4).
+Cache decisions must be those of the single process, on every rank (cache-dit averages its residual
+measure over each branch's ranks).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH
+from wanvace_core import (
+    CacheOptions,
+    ExpertCacheLimits,
+    SamplerSettings,
+    VACEInputs,
+    load_pipeline,
+    prepare_conditioning,
+    sample,
+)
+from wanvace_core.parallel import ParallelOptions
+
+SETTINGS = SamplerSettings(seed=7, steps=6, cfg=5.0, cfg_low_noise=4.0)
+CACHE = CacheOptions(residual_diff_threshold=0.3, high_noise=ExpertCacheLimits(1), low_noise=ExpertCacheLimits(1))
+ULYSSES_TOLERANCE = 1e-4
+
+MODES = {
+    "fsdp": {"shard": "fsdp"},
+    "ulysses2": {"shard": "none", "ulysses_degree": 2},
+    "fsdp+ulysses2": {"shard": "fsdp", "ulysses_degree": 2},
+    "fsdp+cfg": {"shard": "fsdp", "cfg_parallel": True},
+}
+WORLD4_MODES = {
+    "hsdp2x2": {"shard": "hsdp", "replicate_size": 2},
+    "fsdp+ulysses2+cfg": {"shard": "fsdp", "ulysses_degree": 2, "cfg_parallel": True},
+}
+
+
+def _rehomed(model):
+    with torch.no_grad():
+        for module in model.components.values():
+            for tensor in [*module.parameters(), *module.buffers()]:
+                tensor.data = tensor.data.clone()
+    return model
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_folder):
+    model = load_pipeline(tiny_folder, "fp32")
+    cond = prepare_conditioning(
+        model, VACEInputs(positive=PROMPT, negative=NEGATIVE, width=WIDTH, height=HEIGHT, length=LENGTH)
+    )
+    expected = {}
+    for layout, pipeline in (("file", model), ("fresh", _rehomed(load_pipeline(tiny_folder, "fp32")))):
+        for cache in (None, CACHE):
+            expected[layout, cache is not None] = sample(pipeline, cond, SETTINGS, cache=cache)
+    assert all(e.cached_steps for e in expected["file", True].cache_report.experts)  # the cache really caches here
+    return cond, expected
+
+
+def _check_mode(tiny_folder, reference, devices, mode: dict) -> None:
+    cond, all_expected = reference
+    layout = "file" if mode["shard"] == "none" else "fresh"
+    expected = {cached: all_expected[layout, cached] for cached in (False, True)}
+    model = load_pipeline(tiny_folder, "fp32", parallel=ParallelOptions(devices=devices, **mode))
+    try:
+        for cached in (False, True):
+            got = sample(model, cond, SETTINGS, cache=CACHE if cached else None)
+            difference = (got.latents - expected[cached].latents).abs().max().item()
+            if mode.get("ulysses_degree", 1) > 1:
+                assert difference <= ULYSSES_TOLERANCE, (mode, cached, difference)
+            else:
+                assert difference == 0.0, (mode, cached, difference)
+            assert got.cache_report == expected[cached].cache_report
+        again = sample(model, cond, SETTINGS)
+        assert torch.equal(again.latents, sample(model, cond, SETTINGS).latents)  # stable across prompts
+    finally:
+        model.remote.close()
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_two_workers_equal_one_process(tiny_folder, reference, mode):
+    _check_mode(tiny_folder, reference, ("cpu", "cpu"), MODES[mode])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", list(WORLD4_MODES))
+def test_four_workers_equal_one_process(tiny_folder, reference, mode):
+    _check_mode(tiny_folder, reference, ("cpu",) * 4, WORLD4_MODES[mode])
