@@ -3,8 +3,9 @@
 Two (or four) gloo CPU workers run the tiny pipeline in fp32. Sharding (FSDP, HSDP) and CFG parallel
 reorder no reduction, so they are bitwise equal (CPU GEMM kernels pick their path by the weights' address
 alignment: sharded weights are gathered into fresh buffers, so their reference holds its weights in fresh
-allocations too, while workers holding whole experts use them in place from the file, as the reference does); Ulysses attends over all-to-all'd head groups, whose
-softmax sums run in another order: within `ULYSSES_TOLERANCE` (max abs, latents of magnitude ~4).
+allocations too, while workers holding whole experts use them in place from the file, as the reference
+does). Ulysses attends over all-to-all'd head groups, whose sums may run in another order: within
+`ULYSSES_TOLERANCE` (max abs, latents of magnitude ~4).
 Cache decisions must be those of the single process, on every rank (cache-dit averages its residual
 measure over each branch's ranks).
 """
