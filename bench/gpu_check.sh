@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU check in one go, for a machine with one CUDA GPU (about 9 minutes on an H100/H200):
+# Every GPU check in one go, for a machine with one or more CUDA GPUs (about 13 minutes on one H100/H200):
 # the gpu-marked tests, then the GPU benchmarks, each printing its figures. Run from a fresh clone:
 #   bash bench/gpu_check.sh            # sets up the current set first (no ComfyUI server is started)
 # Exits non-zero if a test failed; the benchmarks print ratios measured side by side in one run.
@@ -36,4 +36,6 @@ step "offload bench 720x1280x81" 180 "$PY" bench/bench_offload_gpu.py --height 7
 # bf16 vs kept fp8 vs kept GGUF Q8_0 weights, one A14B expert; 720x1280x81 runs only if predicted to fit 120 s.
 step "single-file formats bench" 150 "$PY" bench/bench_single_file_gpu.py --sizes 480x832x81,720x1280x81 --steps 3 \
     --max-seconds 120
+# 1 GPU against N GPUs (the sharded path at world size 1 when the machine has one GPU), A14B expert at 720p.
+step "parallel bench 720x1280x81" 240 "$PY" bench/bench_parallel_gpu.py --height 720 --width 1280 --frames 81 --steps 2
 exit "$status"

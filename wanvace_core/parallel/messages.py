@@ -72,7 +72,12 @@ def parallel_from(fields: dict) -> ParallelOptions:
 
 
 def conditioning_fields(cond: VACEConditioning) -> dict:
-    return {field.name: getattr(cond, field.name) for field in dataclasses.fields(cond)}
+    """On the wire as CPU tensors: a worker on another machine has its own device numbering."""
+    return {
+        field.name: value.cpu() if isinstance(value, torch.Tensor) else value
+        for field in dataclasses.fields(cond)
+        for value in [getattr(cond, field.name)]
+    }
 
 
 def conditioning_from(fields: dict, device: torch.device) -> VACEConditioning:
