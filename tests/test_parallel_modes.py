@@ -20,6 +20,7 @@ from wanvace_core import (
     CacheOptions,
     ExpertCacheLimits,
     SamplerSettings,
+    OffloadOptions,
     VACEInputs,
     load_pipeline,
     prepare_conditioning,
@@ -36,6 +37,12 @@ MODES = {
     "ulysses2": {"shard": "none", "ulysses_degree": 2},
     "fsdp+ulysses2": {"shard": "fsdp", "ulysses_degree": 2},
     "fsdp+cfg": {"shard": "fsdp", "cfg_parallel": True},
+}
+# Offload per rank: FSDP2 keeps the shards in host memory and gathers a block at a time (shard on), or the
+# layerwise block streamer runs in each rank (shard none); both beside Ulysses.
+OFFLOAD_MODES = {
+    "fsdp+ulysses2+offload": ({"shard": "fsdp", "ulysses_degree": 2}, OffloadOptions("layerwise")),
+    "ulysses2+layerwise": ({"shard": "none", "ulysses_degree": 2}, OffloadOptions("layerwise")),
 }
 WORLD4_MODES = {
     "hsdp2x2": {"shard": "hsdp", "replicate_size": 2},
@@ -65,11 +72,11 @@ def reference(tiny_folder):
     return cond, expected
 
 
-def _check_mode(tiny_folder, reference, devices, mode: dict) -> None:
+def _check_mode(tiny_folder, reference, devices, mode: dict, offload: OffloadOptions | None = None) -> None:
     cond, all_expected = reference
-    layout = "file" if mode["shard"] == "none" else "fresh"
+    layout = "file" if mode["shard"] == "none" and offload is None else "fresh"
     expected = {cached: all_expected[layout, cached] for cached in (False, True)}
-    model = load_pipeline(tiny_folder, "fp32", parallel=ParallelOptions(devices=devices, **mode))
+    model = load_pipeline(tiny_folder, "fp32", offload=offload, parallel=ParallelOptions(devices=devices, **mode))
     try:
         for cached in (False, True):
             got = sample(model, cond, SETTINGS, cache=CACHE if cached else None)
@@ -94,3 +101,10 @@ def test_two_workers_equal_one_process(tiny_folder, reference, mode):
 @pytest.mark.parametrize("mode", list(WORLD4_MODES))
 def test_four_workers_equal_one_process(tiny_folder, reference, mode):
     _check_mode(tiny_folder, reference, ("cpu",) * 4, WORLD4_MODES[mode])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", list(OFFLOAD_MODES))
+def test_offload_per_rank_composes_with_sharding_and_ulysses(tiny_folder, reference, mode):
+    options, offload = OFFLOAD_MODES[mode]
+    _check_mode(tiny_folder, reference, ("cpu", "cpu"), options, offload)
