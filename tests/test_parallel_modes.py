@@ -19,9 +19,10 @@ from tests.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH
 from wanvace_core import (
     CacheOptions,
     ExpertCacheLimits,
-    SamplerSettings,
     OffloadOptions,
+    SamplerSettings,
     VACEInputs,
+    WanVACEInputError,
     load_pipeline,
     prepare_conditioning,
     sample,
@@ -88,6 +89,14 @@ def _check_mode(tiny_folder, reference, devices, mode: dict, offload: OffloadOpt
             assert got.cache_report == expected[cached].cache_report
         again = sample(model, cond, SETTINGS)
         assert torch.equal(again.latents, sample(model, cond, SETTINGS).latents)  # stable across prompts
+        if mode.get("ulysses_degree", 1) > 1:
+            # 48x48 gives 3 x 3 x 3 = 27 tokens per frame group: not splittable in two, refused before any work.
+            odd = prepare_conditioning(
+                model, VACEInputs(positive=PROMPT, negative=NEGATIVE, width=48, height=48, length=LENGTH)
+            )
+            with pytest.raises(WanVACEInputError, match="does not divide this video's 27 tokens"):
+                sample(model, odd, SETTINGS)
+            assert torch.equal(sample(model, cond, SETTINGS).latents, again.latents)
     finally:
         model.remote.close()
 
@@ -108,3 +117,30 @@ def test_four_workers_equal_one_process(tiny_folder, reference, mode):
 def test_offload_per_rank_composes_with_sharding_and_ulysses(tiny_folder, reference, mode):
     options, offload = OFFLOAD_MODES[mode]
     _check_mode(tiny_folder, reference, ("cpu", "cpu"), options, offload)
+
+
+def test_single_files_shard_in_the_workers_bitwise(tmp_path):
+    """Comfy-style single files (original Wan keys), sharded by the workers from the files' rows."""
+    from tests.single_files import write_expert, write_umt5, write_vae
+    from wanvace_core import ExpertFiles, load_expert_files
+    from wanvace_core.tiny import COMFY_SHAPED, build_tiny_components, sentencepiece_model_bytes
+
+    components = build_tiny_components(COMFY_SHAPED)  # shaped as single files are read (head dim 128)
+    files = ExpertFiles(
+        high_noise_model=write_expert(tmp_path / "high.safetensors", components["transformer"], dtype=torch.float32),
+        low_noise_model=write_expert(tmp_path / "low.safetensors", components["transformer_2"], dtype=torch.float32),
+        text_encoder=write_umt5(
+            tmp_path / "umt5.safetensors", components["text_encoder"], sentencepiece_model_bytes(), dtype=torch.float32
+        ),
+        vae=write_vae(tmp_path / "vae.safetensors", components["vae"], dtype=torch.float32),
+    )
+    single = _rehomed(load_expert_files(files, "fp32"))
+    cond = prepare_conditioning(
+        single, VACEInputs(positive=PROMPT, negative=NEGATIVE, width=WIDTH, height=HEIGHT, length=LENGTH)
+    )
+    expected = sample(single, cond, SETTINGS).latents
+    model = load_expert_files(files, "fp32", parallel=ParallelOptions(devices=("cpu", "cpu"), shard="fsdp"))
+    try:
+        assert torch.equal(sample(model, cond, SETTINGS).latents, expected)
+    finally:
+        model.remote.close()

@@ -194,3 +194,25 @@ def test_a_message_of_another_protocol_version_is_refused():
     torch.save(tampered, buffer)
     with pytest.raises(WanVACEWorkerError, match="protocol version"):
         messages.decode(buffer.getvalue())
+
+
+def test_requests_of_720p_size_cross_the_store_whole():
+    """A 720p request (control latents ~58 MB in bf16) crosses the rendezvous store intact, and is deleted after."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from tests.distributed import free_port
+    from wanvace_core.parallel.rank import StoreRelay
+
+    port = free_port()
+    host = dist.TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=30), wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", port, 2, False, timedelta(seconds=30))
+    payload = torch.randn(1, 96, 21, 90, 160, dtype=torch.bfloat16)
+    sender, receiver = StoreRelay(host, 0, 2), StoreRelay(client, 1, 2)
+    request = sender.publish(messages.encode("sample", control=payload))
+    received_id, data = receiver.receive()
+    assert received_id == request
+    assert torch.equal(messages.decode(data)["control"], payload)
+    sender.publish(messages.encode("release"))  # deletes the previous request's chunks
+    assert not host.check([f"wanvace/request{request}/0"])

@@ -41,6 +41,7 @@ KEY_ENV = "WANVACE_WORKER_KEY"
 DEVICES_ENV = "WANVACE_WORKER_DEVICES"
 PARENT_ENV = "WANVACE_WORKER_PARENT"
 _POLL = timedelta(seconds=5)
+_CHUNK = 1 << 20
 
 
 class Cancelled(WanVACEError):
@@ -67,8 +68,8 @@ class StoreRelay:
 
     def publish(self, data: bytes) -> int:
         if self.sequence:
-            self.store.delete_key(f"request{self.sequence - 1}")  # every rank has answered it by now
-        self.store.set(f"request{self.sequence}", data)
+            self._delete(f"request{self.sequence - 1}")  # every rank has answered it by now
+        self._set(f"request{self.sequence}", data)
         self.sequence += 1
         return self.sequence - 1
 
@@ -81,17 +82,34 @@ class StoreRelay:
             except dist.DistStoreError:
                 continue
         self.sequence += 1
-        return self.sequence - 1, self.store.get(key)
+        return self.sequence - 1, self._get(key)
+
+    # The store takes large values badly (a 16 MB value reset the connection): values travel in chunks.
+    def _set(self, key: str, data: bytes) -> None:
+        chunks = [data[start : start + _CHUNK] for start in range(0, len(data), _CHUNK)] or [b""]
+        for index, chunk in enumerate(chunks):
+            self.store.set(f"{key}/{index}", chunk)
+        self.store.set(key, str(len(chunks)).encode())  # last: readers wait for this key
+
+    def _get(self, key: str) -> bytes:
+        count = int(self.store.get(key))
+        return b"".join(self.store.get(f"{key}/{index}") for index in range(count))
+
+    def _delete(self, key: str) -> None:
+        count = int(self.store.get(key))
+        for index in range(count):
+            self.store.delete_key(f"{key}/{index}")
+        self.store.delete_key(key)
 
     def answer(self, request: int, payload: bytes) -> None:
-        self.store.set(f"status{request}/{self.rank}", payload)
+        self._set(f"status{request}/{self.rank}", payload)
 
     def answers(self, request: int, timeout: timedelta) -> list[dict]:
         keys = [f"status{request}/{rank}" for rank in range(self.world)]
         self.store.wait(keys, timeout)
-        found = [messages.decode(self.store.get(key)) for key in keys]
+        found = [messages.decode(self._get(key)) for key in keys]
         for key in keys:
-            self.store.delete_key(key)
+            self._delete(key)
         return found
 
     def decide(self, request: int, step: int, stop: bool) -> None:
