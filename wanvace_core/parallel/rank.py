@@ -172,6 +172,14 @@ class Rank:
 
     def load(self, request: dict) -> dict:
         self.release()
+        try:
+            return self._load(request)
+        except BaseException:
+            if dist.is_initialized():  # a refused load (fp8 kept with sharding, a bad file) leaves no group
+                dist.destroy_process_group()
+            raise
+
+    def _load(self, request: dict) -> dict:
         options = messages.parallel_from(request["options"])
         layout = options.layout
         branch, branch_rank = layout.branch_of(self.rank), layout.branch_rank(self.rank)
