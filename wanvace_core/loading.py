@@ -64,7 +64,7 @@ SAFETENSORS_DTYPES = {
 }
 
 
-def _component_class(model_index: dict, name: str):
+def component_class(model_index: dict, name: str):
     library, class_name = model_index[name]
     if library not in _ALLOWED_LIBRARIES:
         raise WanVACEModelFolderError(
@@ -91,7 +91,7 @@ def fp32_module_names(module: torch.nn.Module, dtype: torch.dtype) -> set[str]:
     return names
 
 
-def _build_on_meta(cls, folder: Path) -> torch.nn.Module:
+def build_on_meta(cls, folder: Path) -> torch.nn.Module:
     with init_empty_weights(include_buffers=False):
         if hasattr(cls, "from_config") and hasattr(cls, "config_name"):
             config = cls.load_config(folder)
@@ -219,7 +219,7 @@ def load_component(cls, files: ComponentFiles, dtype: torch.dtype, device: torch
     final dtype and file-backed memory by at most one window.
     """
     device = torch.device(device)
-    module = _build_on_meta(cls, files.folder)
+    module = build_on_meta(cls, files.folder)
     _fill(module, files, dtype, device)
     # Buffers (RoPE tables) were computed on the CPU at their library-chosen dtype; only move them.
     for name, buffer in list(module.named_buffers()):
@@ -310,15 +310,15 @@ def load_pipeline(
     remote_names = EXPERT_NAMES if parallel is not None else ()
     modules = {
         name: (
-            _build_on_meta(_component_class(model_index, name), files.folder).eval().requires_grad_(False)
+            build_on_meta(component_class(model_index, name), files.folder).eval().requires_grad_(False)
             if name in remote_names
-            else load_component(_component_class(model_index, name), files, torch_dtype, load_device)
+            else load_component(component_class(model_index, name), files, torch_dtype, load_device)
         )
         for name, files in layout.components.items()
     }
-    tokenizer_cls = _component_class(model_index, "tokenizer")
+    tokenizer_cls = component_class(model_index, "tokenizer")
     tokenizer = tokenizer_cls.from_pretrained(layout.path / "tokenizer")
-    scheduler_cls = _component_class(model_index, "scheduler")
+    scheduler_cls = component_class(model_index, "scheduler")
     scheduler_config = scheduler_cls.load_config(layout.path / "scheduler")
     logger.info("Loaded WanVACE pipeline %s (%s, %s)", layout.path, dtype, ", ".join(modules))
     model = WanVACEModel(

@@ -78,7 +78,9 @@ def _stored_format(source: Source) -> WeightFormat | None:
     return None
 
 
-def _plan(layout: Layout, module: torch.nn.Module, dtype: torch.dtype, weight_dtype: str, keep_quantized: bool):
+def plan_placements(
+    layout: Layout, module: torch.nn.Module, dtype: torch.dtype, weight_dtype: str, keep_quantized: bool
+):
     """Decides, per state-dict key, what is kept stored and what is cast or dequantised to which dtype."""
     fp32_names = fp32_module_names(module, dtype)
     # Modules the library keeps in fp32 are never kept quantised: diffusers reads their weight dtype to cast
@@ -179,7 +181,7 @@ def _fill(module: torch.nn.Module, layout: Layout, placements: dict[str, _Placem
 
 def _load(layout: Layout, dtype, weight_dtype: str, device, keep_quantized: bool):
     module = layout.build_on_meta()
-    placements, formats = _plan(layout, module, dtype, weight_dtype, keep_quantized)
+    placements, formats = plan_placements(layout, module, dtype, weight_dtype, keep_quantized)
     replace_linears(module, formats)
     _fill(module, layout, placements, device)
     for key, buffer in list(module.named_buffers()):

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from ..errors import WanVACEError
 from ..model import WanVACEModel
-from ..offload import OffloadOptions, OnDevice, make_residency
+from ..offload import OffloadOptions, OnDevice, Residency, make_residency
 from ..sampling import sample
 from . import messages
 from .guidance import ParallelGuidance
@@ -148,6 +148,34 @@ class _NoRefill:
         raise messages.WanVACEWorkerError(f"a parallel worker cannot read back {name}; load the model again")
 
 
+class ShardedResidency(Residency):
+    """FSDP2 places sharded experts itself (shards on the device, or in host memory with its CPU offload policy,
+    each block gathered for its forward): nothing to move, and nothing ComfyUI could ask a worker to drop."""
+
+    def __init__(self, experts: dict[str, torch.nn.Module]) -> None:
+        self.experts = experts
+
+    def activate(self, name: str) -> None:
+        pass
+
+    def settle(self) -> None:
+        pass
+
+    def release_all(self) -> int:
+        return 0
+
+    def device_bytes(self) -> int:
+        from .sharding import local_shard_bytes
+
+        return sum(local_shard_bytes(expert) for expert in self.experts.values())
+
+    def planned_bytes(self, name: str | None = None) -> int:
+        return self.device_bytes()
+
+    def close(self) -> None:
+        pass
+
+
 def _meta_vae(config: dict):
     from accelerate import init_empty_weights
     from diffusers import AutoencoderKLWan
@@ -215,10 +243,15 @@ class Rank:
 
             for expert in experts.values():
                 apply_ulysses(expert, groups.ulysses_group)
-        from ..interleave import apply_interleaved_vace
+        from ..interleave import apply_interleaved_vace, current_execution_order
 
         for expert in experts.values():
             apply_interleaved_vace(expert)
+            if options.shard != "none":
+                from .sharding import prefetch_in_order
+
+                # Each block starts gathering the next one while it computes (the interleaved order).
+                prefetch_in_order(expert, current_execution_order(expert))
         dtype = getattr(torch, request["torch_dtype"])
         model = WanVACEModel(
             source=Path(request["source"]["path"]),
@@ -233,7 +266,9 @@ class Rank:
             boundary_ratio=request["boundary_ratio"],
             weights=_NoRefill(),
         )
-        if options.shard == "none" and offload.mode != "none":
+        if options.shard != "none":
+            model.residency = ShardedResidency(experts)
+        elif offload.mode != "none":
             model.residency = make_residency(offload, experts, _NoRefill(), self.device)
         else:
             model.residency = OnDevice(experts, _NoRefill(), self.device)
@@ -442,12 +477,12 @@ def _whole_experts(source, dtype: torch.dtype, device: torch.device, spec: dict)
         import json
 
         from ..folder import inspect_pipeline_folder
-        from ..loading import _component_class, load_component
+        from ..loading import component_class, load_component
 
         layout = inspect_pipeline_folder(source)
         model_index = json.loads((layout.path / "model_index.json").read_text())
         return {
-            name: load_component(_component_class(model_index, name), layout.components[name], dtype, device)
+            name: load_component(component_class(model_index, name), layout.components[name], dtype, device)
             for name in ("transformer", "transformer_2")
             if name in layout.components
         }
