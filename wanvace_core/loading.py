@@ -116,6 +116,15 @@ def set_tensor(module: torch.nn.Module, key: str, tensor: torch.Tensor) -> None:
         owner._buffers[attr] = tensor
 
 
+def meta_stand_in(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """`module` with meta parameters in `dtype`, for experts that live in parallel workers: it carries the config
+    and `transformer_dtype` (what the conditioning is cast to) and costs no memory. Never run."""
+    for name, param in list(module.named_parameters()):
+        if param.is_floating_point():
+            set_tensor(module, name, torch.empty_like(param, dtype=dtype, device="meta"))
+    return module.eval().requires_grad_(False)
+
+
 def stream_into(
     fileno: int,
     offset: int,
@@ -310,7 +319,7 @@ def load_pipeline(
     remote_names = EXPERT_NAMES if parallel is not None else ()
     modules = {
         name: (
-            build_on_meta(component_class(model_index, name), files.folder).eval().requires_grad_(False)
+            meta_stand_in(build_on_meta(component_class(model_index, name), files.folder), torch_dtype)
             if name in remote_names
             else load_component(component_class(model_index, name), files, torch_dtype, load_device)
         )

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from .errors import WanVACEModelFolderError
-from .loading import DTYPES, finish_filling, fp32_module_names, set_tensor
+from .loading import DTYPES, finish_filling, fp32_module_names, meta_stand_in, set_tensor
 from .model import WanVACEModel
 from .offload import OffloadOptions
 from .quantized import QuantizedLinear, WeightFormat, replace_linears
@@ -333,7 +333,7 @@ def load_expert_files(
     for name, layout in layouts.items():
         if parallel is not None and name in ("transformer", "transformer_2"):
             # Loaded by the workers; here only the config is needed.
-            modules[name], placements[name] = layout.build_on_meta().eval().requires_grad_(False), {}
+            modules[name], placements[name] = meta_stand_in(layout.build_on_meta(), torch_dtype), {}
             continue
         # The text encoder stays plain: transformers' T5 casts activations to its `wo` weight dtype.
         keep = name in ("transformer", "transformer_2")

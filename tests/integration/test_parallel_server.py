@@ -254,12 +254,6 @@ def test_unload_stops_the_workers_and_the_next_prompt_starts_fresh_ones(server, 
 # --- whatever the mode -------------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="WanVACEModel.transformer_dtype is the experts' meta stand-ins' float32 in ComfyUI, so "
-    "prepare_conditioning casts the control latents to float32 and bf16 workers fail: 'Input type (float) and "
-    "bias type (c10::BFloat16) should be the same'",
-)
 def test_the_shipped_bf16_workflow_runs_in_parallel_and_equals_it_without(server):
     options = {"shard": "none", "cfg_parallel": True}
     plain = _latent(server, _workflow(SEEDS[0], "bf16/plain", None, dtype="bf16"))
