@@ -267,6 +267,7 @@ def test_every_node_and_input_is_described(comfy_server):
         "WanVACEDecode",
         "WanVACECacheOptions",
         "WanVACEOffloadOptions",
+        "WanVACEParallelOptions",
     }
     for name, node in ours.items():
         assert node["description"].strip(), name
