@@ -293,12 +293,6 @@ def test_a_world_size_that_does_not_match_the_torchrun_ranks_is_refused_and_they
     assert torch.equal(got, sample(model, cond, SETTINGS).latents)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="rank.py Rank.sample's callback: rank 0's conn.send_bytes(progress) to a dead ComfyUI raises, so the "
-    "other ranks never get this step's decision (they wait in the store), and _session's conn.send_bytes(outcome) "
-    "raises out of serve_coordinator: rank 0 ends after timeout_s",
-)
 def test_a_comfyui_that_dies_mid_run_leaves_the_torchrun_workers_serving(torchrun, reference, tiny_folder, worker_key):
     model, cond = reference
     script = textwrap.dedent(
@@ -329,11 +323,6 @@ def test_a_comfyui_that_dies_mid_run_leaves_the_torchrun_workers_serving(torchru
     assert torchrun.worker_pids() == workers, torchrun.tails()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="rank.py serve_coordinator: listener.accept() raises AuthenticationError on a wrong key, which ends "
-    "rank 0 (and the torchrun job); launcher.py _connect lets that AuthenticationError through unexplained",
-)
 def test_a_client_with_the_wrong_key_is_refused_and_the_torchrun_workers_serve_on(
     torchrun, reference, tiny_folder, worker_key, monkeypatch
 ):

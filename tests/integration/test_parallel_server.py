@@ -300,5 +300,9 @@ def test_a_comfyui_that_stops_leaves_no_worker_process(server):
     # fixture's stop() does: nothing but the pack itself may end the workers.
     os.kill(pid, signal.SIGTERM)
     server.proc.wait(timeout=60)
-    assert _wait_gone(workers) == [], f"workers {workers} outlived ComfyUI"
-    assert _workers_of_parent(pid) == []
+    try:
+        assert _wait_gone(workers) == [], f"workers {workers} outlived ComfyUI"
+        assert _workers_of_parent(pid) == []
+    finally:
+        for worker in _workers_of_parent(pid):  # this test's leftovers only: the workers of the server it stopped
+            os.kill(worker, signal.SIGKILL)

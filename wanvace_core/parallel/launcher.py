@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -26,6 +27,7 @@ import tempfile
 import time
 import weakref
 from collections.abc import Callable
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection
 from pathlib import Path
 
@@ -124,6 +126,8 @@ class LocalWorkers:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+        if all(process.returncode == 0 for process in self.processes):
+            shutil.rmtree(self.logs, ignore_errors=True)  # kept after a failure, for its log
 
     def kill(self) -> None:
         for process in self.processes:
@@ -208,6 +212,11 @@ class RemoteExperts:
         while True:
             try:
                 return Client(address, authkey=key)
+            except AuthenticationError as error:
+                raise WanVACEWorkerError(
+                    f"the WanVACE workers at {address[0]}:{address[1]} refused this process's key ({error}); set the "
+                    "same WANVACE_WORKER_KEY environment variable for ComfyUI and the torchrun workers."
+                ) from error
             except (ConnectionRefusedError, FileNotFoundError, OSError) as error:
                 self._check_workers()
                 if time.monotonic() > deadline:

@@ -21,6 +21,7 @@ import threading
 import time
 import traceback
 from datetime import timedelta
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 
@@ -40,7 +41,8 @@ logger = logging.getLogger("wanvace_core.worker")
 KEY_ENV = "WANVACE_WORKER_KEY"
 DEVICES_ENV = "WANVACE_WORKER_DEVICES"
 PARENT_ENV = "WANVACE_WORKER_PARENT"
-_POLL = timedelta(seconds=5)
+# Idle peers wait this long per try (torch logs every timed-out wait); rank 0 leaving ends the wait at once.
+_POLL = timedelta(seconds=600)
 _CHUNK = 1 << 20
 
 
@@ -314,8 +316,11 @@ class Rank:
         def callback(index: int, total: int, latents: torch.Tensor) -> None:
             steps[0] = index + 1
             if self.rank == 0:
-                conn.send_bytes(messages.encode("progress", index=index, total=total, latents=latents.cpu()))
-                stop = _cancel_requested(conn)
+                try:
+                    conn.send_bytes(messages.encode("progress", index=index, total=total, latents=latents.cpu()))
+                    stop = _cancel_requested(conn)
+                except (EOFError, OSError):
+                    stop = True  # ComfyUI went away: every rank stops at this step, then the session releases
                 self.relay.decide(request_id, index, stop)
             else:
                 stop = self.relay.decision(request_id, index)
@@ -375,7 +380,11 @@ class Rank:
     def serve_coordinator(self, listener: Listener, keep_serving: bool) -> None:
         """Rank 0: accept the ComfyUI process, relay its requests, answer with every rank's outcome."""
         while True:
-            conn = listener.accept()
+            try:
+                conn = listener.accept()
+            except (AuthenticationError, EOFError, OSError) as error:  # a wrong WANVACE_WORKER_KEY, a port scan
+                logger.warning("refused a connection on the control address: %s", error)
+                continue
             try:
                 finished = self._session(conn)
             finally:
@@ -395,7 +404,11 @@ class Rank:
                 return False
             request = messages.decode(data)
             outcome = self._relay_and_run(request, conn)
-            conn.send_bytes(outcome)
+            try:
+                conn.send_bytes(outcome)
+            except (EOFError, OSError):  # ComfyUI went away while this ran
+                self._relay_and_run({"version": messages.PROTOCOL_VERSION, "kind": "release"}, None)
+                return False
             if request["kind"] == "shutdown":
                 return True
             if messages.decode(outcome).get("fatal"):
