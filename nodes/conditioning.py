@@ -14,7 +14,12 @@ from ..wanvace_core import (
     validate_generation_size,
     validate_prompt,
 )
-from ..wanvace_core.conditioning import NEGATIVE_EMBEDS_INPUT, POSITIVE_EMBEDS_INPUT, TextEmbeddings
+from ..wanvace_core.conditioning import (
+    NEGATIVE_EMBEDS_INPUT,
+    POSITIVE_EMBEDS_INPUT,
+    TextEmbeddings,
+    validate_vace_window,
+)
 from ..wanvace_core.validation import nan_refusing_min
 from .types import CATEGORY, WanVACEConditioningType, WanVACEModelType
 
@@ -113,6 +118,26 @@ class WanVACEConditioning(io.ComfyNode):
                     step=0.01,
                     tooltip="How strongly the VACE inputs steer the video; 1.0 is the trained value, 0 ignores them.",
                 ),
+                io.Float.Input(
+                    "vace_start_percent",
+                    default=0.0,
+                    min=nan_refusing_min(0.0),
+                    max=1.0,
+                    step=0.01,
+                    optional=True,
+                    tooltip="Share of the steps after which the VACE inputs start to apply (0 = from the first step). "
+                    "Steps outside the window run without the VACE blocks, like strength 0 there.",
+                ),
+                io.Float.Input(
+                    "vace_end_percent",
+                    default=1.0,
+                    min=nan_refusing_min(0.0),
+                    max=1.0,
+                    step=0.01,
+                    optional=True,
+                    tooltip="Share of the steps after which the VACE inputs stop applying (1 = to the last step). "
+                    "E.g. 0.5 lets the control video set the layout in the first half and frees the details after.",
+                ),
                 io.Image.Input(
                     "control_video",
                     optional=True,
@@ -154,6 +179,8 @@ class WanVACEConditioning(io.ComfyNode):
         height: int | None = None,
         length: int | None = None,
         positive_conditioning=_NOT_CONNECTED,
+        vace_start_percent: float | None = None,
+        vace_end_percent: float | None = None,
     ) -> bool | str:
         # ComfyUI lists a refusal under every argument of validate_inputs it passed, so each message names the
         # input it is about (an unconnected positive_conditioning is not passed, so an empty text is refused under
@@ -164,6 +191,12 @@ class WanVACEConditioning(io.ComfyNode):
                 validate_generation_size(width, height, length)
             if positive is not None:
                 validate_prompt(positive, has_embeddings=positive_conditioning is not _NOT_CONNECTED)
+            if vace_start_percent is not None or vace_end_percent is not None:
+                # Both are named in a refusal: the window is wrong as a pair (start after end).
+                validate_vace_window(
+                    0.0 if vace_start_percent is None else vace_start_percent,
+                    1.0 if vace_end_percent is None else vace_end_percent,
+                )
         except WanVACEInputError as error:
             return str(error)
         return True
@@ -183,6 +216,8 @@ class WanVACEConditioning(io.ComfyNode):
         reference_images=None,
         positive_conditioning=None,
         negative_conditioning=None,
+        vace_start_percent: float = 0.0,
+        vace_end_percent: float = 1.0,
     ) -> io.NodeOutput:
         inputs = VACEInputs(
             positive=positive,
@@ -196,5 +231,7 @@ class WanVACEConditioning(io.ComfyNode):
             reference_images=reference_images,
             positive_embeds=_text_embeddings(POSITIVE_EMBEDS_INPUT, positive_conditioning),
             negative_embeds=_text_embeddings(NEGATIVE_EMBEDS_INPUT, negative_conditioning),
+            vace_start_percent=vace_start_percent,
+            vace_end_percent=vace_end_percent,
         )
         return io.NodeOutput(prepare_conditioning(model, inputs))

@@ -108,6 +108,7 @@ def cooperate(model, device: torch.device) -> WanVACEPatcher:
     From now on the residency asks ComfyUI for room before weights move to `device`, and ComfyUI's
     unloads (also on a CPU-only ComfyUI, where POST /free unloads the cpu device) release them.
     """
+    model = model.base
     broker = _brokers.get(model)
     if broker is None:
         # The pipeline keeps its patcher alive (ComfyUI holds only weak references to it).
@@ -125,6 +126,6 @@ def make_room_before_loading(device: torch.device, incoming_bytes: int) -> None:
 
 def set_working_memory(model, working_bytes: int) -> None:
     """Tells ComfyUI, at the next reservation, how much activation memory the coming work needs."""
-    broker = _brokers.get(model)
+    broker = _brokers.get(model.base)  # a LoRA view shares its base's registration
     if broker is not None:
         broker.working_bytes = int(working_bytes)

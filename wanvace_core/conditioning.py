@@ -59,11 +59,17 @@ class VACEInputs:
     reference_images: torch.Tensor | None = None
     positive_embeds: TextEmbeddings | None = None
     negative_embeds: TextEmbeddings | None = None
+    vace_start_percent: float = 0.0
+    vace_end_percent: float = 1.0
 
 
 @dataclass(frozen=True)
 class VACEConditioning:
-    """Everything the sampler needs besides the model and the seed."""
+    """Everything the sampler needs besides the model and the seed.
+
+    The VACE hints apply at step `i` of `n` while `vace_start_percent <= i / n < vace_end_percent` (0 and 1: every
+    step); at the other steps the experts run without the VACE blocks, which equals strength 0 there.
+    """
 
     prompt_embeds: torch.Tensor
     negative_prompt_embeds: torch.Tensor
@@ -73,6 +79,24 @@ class VACEConditioning:
     width: int
     height: int
     length: int
+    vace_start_percent: float = 0.0
+    vace_end_percent: float = 1.0
+
+    def applies_hints_at(self, step: int, steps: int) -> bool:
+        return self.vace_start_percent <= step / steps < self.vace_end_percent
+
+
+def validate_vace_window(start: float, end: float) -> None:
+    """The share of the steps the VACE hints apply in: `0 <= start <= end <= 1`."""
+    fix = "use a value in [0, 1]: 0 and 1 apply the VACE inputs at every step"
+    for name, value in (("vace_start_percent", start), ("vace_end_percent", end)):
+        if not 0.0 <= validate_finite(name, value, fix) <= 1.0:
+            raise WanVACEInputError(f"{name}={value} is outside [0, 1]; 0 and 1 apply the VACE inputs at every step.")
+    if start > end:
+        raise WanVACEInputError(
+            f"vace_start_percent={start} is after vace_end_percent={end}; the window must not end before it starts "
+            f"(use vace_end_percent >= {start})."
+        )
 
 
 def validate_generation_size(
@@ -215,6 +239,7 @@ def validate_vace_inputs(
     strength_fix = "use a value in [0, 10]; 1.0 is the trained value"
     if not 0.0 <= validate_finite("strength", inputs.strength, strength_fix) <= 10.0:
         raise WanVACEInputError(f"strength={inputs.strength} is outside [0, 10]; 1.0 is the trained value.")
+    validate_vace_window(inputs.vace_start_percent, inputs.vace_end_percent)
     size = (inputs.width, inputs.height, inputs.length)
     if inputs.control_video is not None:
         _check_frames("control_video", inputs.control_video, *size, channels=True)
@@ -319,4 +344,6 @@ def prepare_conditioning(model: WanVACEModel, inputs: VACEInputs) -> VACEConditi
         width=inputs.width,
         height=inputs.height,
         length=inputs.length,
+        vace_start_percent=float(inputs.vace_start_percent),
+        vace_end_percent=float(inputs.vace_end_percent),
     )

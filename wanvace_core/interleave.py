@@ -81,8 +81,10 @@ def _interleaved_forward(
     post_patch_height = height // p_h
     post_patch_width = width // p_w
 
+    # No control input (a step outside the conditioning's VACE window): the VACE blocks do not run at all.
+    with_hints = control_hidden_states is not None
     if control_hidden_states_scale is None:
-        control_hidden_states_scale = control_hidden_states.new_ones(len(self.config.vace_layers))
+        control_hidden_states_scale = hidden_states.new_ones(len(self.config.vace_layers))
     control_hidden_states_scale = torch.unbind(control_hidden_states_scale)
     if len(control_hidden_states_scale) != len(self.config.vace_layers):
         raise ValueError(
@@ -95,12 +97,13 @@ def _interleaved_forward(
     hidden_states = self.patch_embedding(hidden_states)
     hidden_states = hidden_states.flatten(2).transpose(1, 2)
 
-    control_hidden_states = self.vace_patch_embedding(control_hidden_states)
-    control_hidden_states = control_hidden_states.flatten(2).transpose(1, 2)
-    control_hidden_states_padding = control_hidden_states.new_zeros(
-        batch_size, hidden_states.size(1) - control_hidden_states.size(1), control_hidden_states.size(2)
-    )
-    control_hidden_states = torch.cat([control_hidden_states, control_hidden_states_padding], dim=1)
+    if with_hints:
+        control_hidden_states = self.vace_patch_embedding(control_hidden_states)
+        control_hidden_states = control_hidden_states.flatten(2).transpose(1, 2)
+        control_hidden_states_padding = control_hidden_states.new_zeros(
+            batch_size, hidden_states.size(1) - control_hidden_states.size(1), control_hidden_states.size(2)
+        )
+        control_hidden_states = torch.cat([control_hidden_states, control_hidden_states_padding], dim=1)
 
     temb, timestep_proj, encoder_hidden_states, encoder_hidden_states_image = self.condition_embedder(
         timestep, encoder_hidden_states, encoder_hidden_states_image
@@ -112,7 +115,7 @@ def _interleaved_forward(
 
     # Every VACE block reads the patch-embedded input, not the running main-branch state.
     vace_input = hidden_states
-    vace_position = _vace_positions(self.config)
+    vace_position = _vace_positions(self.config) if with_hints else {}
     for index, block in enumerate(self.blocks):
         hint = None
         if index in vace_position:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import weakref
@@ -29,6 +30,9 @@ class WanVACEModel:
     `transformer` is the high-noise expert and `transformer_2` the low-noise one (diffusers naming);
     a Wan2.1-VACE folder has only `transformer`. `weights` reads dropped weights back; `residency`
     decides where the weights live (`wanvace_core.runtime.compose` sets both up, in one place).
+
+    `loras` are the LoRA patches (`wanvace_core.lora.LoraPatch`) a sampling run applies to the experts, and only
+    for that run; `with_loras` makes a view that shares everything with its base, which keeps none.
     """
 
     source: Path
@@ -46,6 +50,8 @@ class WanVACEModel:
     # Set when the experts run in parallel workers (`parallel.launcher.RemoteExperts`): `transformer` and
     # `transformer_2` are then meta-device stand-ins that only carry the config, and `sample` goes there.
     remote: object = None
+    loras: tuple = ()
+    _base: WanVACEModel | None = field(default=None, repr=False)
     _prompt_cache: OrderedDict = field(default_factory=OrderedDict, repr=False)
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
     _helper: object = field(default=None, repr=False)
@@ -53,7 +59,21 @@ class WanVACEModel:
     _close_residency: weakref.finalize | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        weakref.finalize(self, _log_release, str(self.source))
+        if self._base is None:
+            weakref.finalize(self, _log_release, str(self.source))
+
+    @property
+    def base(self) -> WanVACEModel:
+        """The loaded pipeline itself (a LoRA view's base; a plain model is its own base)."""
+        return self if self._base is None else self._base
+
+    def with_loras(self, *patches) -> WanVACEModel:
+        """A view that samples with `patches` after this model's own; the weights and this model are unchanged.
+
+        The view shares the components, residency, prompt cache and lock (and keeps the base alive), so
+        another branch of a graph that uses this model directly still samples without the patches.
+        """
+        return dataclasses.replace(self, loras=self.loras + tuple(patches), _base=self.base, _helper=None)
 
     @property
     def components(self) -> dict[str, torch.nn.Module]:
@@ -64,22 +84,24 @@ class WanVACEModel:
 
     @property
     def residency(self) -> Residency:
-        return self._residency
+        return self.base._residency
 
     def close_residency(self) -> None:
         """Closes the current residency (at most once): hooks removed, device and pinned buffers given back."""
-        if self._close_residency is not None:
-            self._close_residency()
+        base = self.base
+        if base._close_residency is not None:
+            base._close_residency()
 
     @residency.setter
     def residency(self, residency: Residency) -> None:
-        """Replaces the residency; the old one is closed. The new one closes when this model is dropped."""
-        self.close_residency()
-        broker = None if self._residency is None else self._residency.broker
-        self._residency = residency
+        """Replaces the (base's) residency; the old one is closed. The new one closes when the base is dropped."""
+        base = self.base
+        base.close_residency()
+        broker = None if base._residency is None else base._residency.broker
+        base._residency = residency
         residency.broker = broker
         # Pinned buffers and hooks must not outlive the model; the finalizer holds no reference to it.
-        self._close_residency = weakref.finalize(self, residency.close)
+        base._close_residency = weakref.finalize(base, residency.close)
 
     def weight_bytes(self, names=None) -> int:
         """Bytes of the parameters and buffers (each once) of components `names` (default all) held now."""

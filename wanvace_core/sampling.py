@@ -237,6 +237,11 @@ def sample(
     A model whose experts run in parallel workers (`model.remote`) hands the whole run to them.
     """
     if model.remote is not None:
+        if model.loras:
+            raise WanVACEInputError(
+                "LoRAs are not supported yet with experts in parallel workers; disconnect the parallel input of the "
+                "loader, or the WanVACE LoRA Loader."
+            )
         return model.remote.sample(cond, settings, callback, cache, tokens=sequence_length(model, cond))
     guidance = guidance or Guidance()
     _check_conditioning_matches(model, cond)
@@ -246,16 +251,27 @@ def sample(
     cached = None if cache is None else CachedExperts(model, cache, runs)
     latents = initial_noise(model, cond, settings.seed)
     dtype = model.transformer_dtype
-    with _released_on_error(model), cached if cached is not None else contextlib.nullcontext():
+    no_hints = torch.zeros_like(cond.conditioning_scale)
+    with contextlib.ExitStack() as run:
+        run.enter_context(_released_on_error(model))
+        if model.loras:
+            from .lora import applied_loras
+
+            run.enter_context(applied_loras(model, model.loras))
+        if cached is not None:
+            run.enter_context(cached)
         for index, t in enumerate(timesteps):
             expert, scale = plan.pick(model, t, settings)
             latent_input = latents.to(dtype)
             timestep = t.expand(latents.shape[0])
+            hints = cond.applies_hints_at(index, len(timesteps))
             common = {
                 "hidden_states": latent_input,
                 "timestep": timestep,
-                "control_hidden_states": cond.conditioning_latents,
-                "control_hidden_states_scale": cond.conditioning_scale,
+                # Outside the VACE window the interleaved forward skips the VACE blocks (no control input); cache-dit's
+                # functor always runs them, so there the hints are weighted 0: both equal strength 0 bitwise.
+                "control_hidden_states": cond.conditioning_latents if hints or cached is not None else None,
+                "control_hidden_states_scale": cond.conditioning_scale if hints else no_hints,
                 "return_dict": False,
             }
             noise_pred = guidance.predict(expert, scale, cond, common)
