@@ -1,9 +1,8 @@
-"""WanVACESampler: the dual-expert denoising loop with ComfyUI progress and cancel."""
+"""WanVACESampler: the dual-expert denoising loop with ComfyUI progress, live previews and cancel."""
 
 from __future__ import annotations
 
 import comfy.model_management
-import comfy.utils
 from comfy_api.latest import io
 
 from ..wanvace_core import SCHEDULERS, SamplerSettings, WanVACEInputError, sample, to_vae_space
@@ -11,6 +10,7 @@ from ..wanvace_core.budget import sampling_activation_bytes
 from ..wanvace_core.sampling import validate_scheduler
 from ..wanvace_core.validation import nan_refusing_min
 from .memory import set_working_memory
+from .preview import step_previewer
 from .types import CATEGORY, WanVACECacheType, WanVACEConditioningType, WanVACEModelType
 
 MODEL_DEFAULT = -1.0
@@ -124,10 +124,10 @@ class WanVACESampler(io.ComfyNode):
             shift=None if shift <= 0 else shift,
             scheduler=scheduler,
         )
-        progress = comfy.utils.ProgressBar(steps)
+        preview_step = step_previewer(model, conditioning, steps)
 
-        def on_step(index: int, total: int, _latents) -> None:
-            progress.update_absolute(index + 1, total)
+        def on_step(index: int, total: int, latents) -> None:
+            preview_step(index, total, latents)
             comfy.model_management.throw_exception_if_processing_interrupted()
 
         comfy.model_management.throw_exception_if_processing_interrupted()

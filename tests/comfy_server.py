@@ -88,6 +88,8 @@ class RunResult:
     response: dict = field(default_factory=dict)
     base_dir: Path | None = None
     duration_s: float = 0.0
+    # Binary websocket frames (previews: a big-endian uint32 event type, then its payload), in arrival order.
+    binary_messages: list[bytes] = field(default_factory=list)
 
     @property
     def outputs(self) -> dict:
@@ -350,12 +352,18 @@ class ComfyServer:
         timeout: float = 600,
         interrupt_after_progress: int | None = None,
         client_id: str | None = None,
+        feature_flags: dict | None = None,
     ) -> RunResult:
+        """Queues `prompt` and follows it on the websocket; `feature_flags` are declared as the frontend does
+        (e.g. {"supports_preview_metadata": True} for previews with metadata)."""
         client_id = client_id or uuid.uuid4().hex
         t0 = time.monotonic()
         # Connect before queueing so no event for this prompt can be missed.
         ws = websocket.create_connection(f"ws://127.0.0.1:{self.port}/ws?clientId={client_id}", timeout=30)
+        binary: list[bytes] = []
         try:
+            if feature_flags is not None:
+                _declare_feature_flags(ws, feature_flags)
             code, body = self.queue_prompt(prompt, client_id)
             if code != 200:
                 return RunResult(
@@ -366,7 +374,7 @@ class ComfyServer:
                     duration_s=time.monotonic() - t0,
                 )
             prompt_id = body["prompt_id"]
-            events, status = self._collect_events(ws, prompt_id, t0 + timeout, interrupt_after_progress)
+            events, status = self._collect_events(ws, prompt_id, t0 + timeout, interrupt_after_progress, binary)
         finally:
             ws.close()
         history = self._wait_history(prompt_id, timeout=30)
@@ -380,10 +388,16 @@ class ComfyServer:
             response=body,
             base_dir=self.base_dir,
             duration_s=time.monotonic() - t0,
+            binary_messages=binary,
         )
 
     def _collect_events(
-        self, ws, prompt_id: str, deadline: float, interrupt_after_progress: int | None
+        self,
+        ws,
+        prompt_id: str,
+        deadline: float,
+        interrupt_after_progress: int | None,
+        binary: list[bytes] | None = None,
     ) -> tuple[list[tuple[str, Any]], str | None]:
         events: list[tuple[str, Any]] = []
         status = None
@@ -404,8 +418,10 @@ class ComfyServer:
                 continue
             except websocket.WebSocketConnectionClosedException as e:
                 raise RuntimeError(f"websocket closed while running {prompt_id}\n{self.log_tail()}") from e
-            # Binary frames carry preview images; they are not part of the result.
+            # Binary frames carry preview images; ComfyUI sends them only to the client that queued the prompt.
             if not isinstance(msg, str):
+                if binary is not None:
+                    binary.append(bytes(msg))
                 continue
             try:
                 message = json.loads(msg)
@@ -435,6 +451,18 @@ class ComfyServer:
             if time.monotonic() > deadline:
                 return {}
             time.sleep(0.1)
+
+
+def _declare_feature_flags(ws, flags: dict, timeout: float = 30) -> None:
+    """Sends `flags` as the connection's first message and waits for the server's own flags in answer, so the
+    server has stored them before a prompt is queued. A server without negotiation never answers."""
+    ws.send(json.dumps({"type": "feature_flags", "data": flags}))
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        msg = ws.recv()
+        if isinstance(msg, str) and json.loads(msg).get("type") == "feature_flags":
+            return
+    raise TimeoutError(f"the server did not answer the feature flags {flags} within {timeout}s")
 
 
 def _status_from_history(history: dict) -> str:

@@ -1,0 +1,124 @@
+"""WanVACESampler's live previews through a real ComfyUI server's websocket, per `--preview-method`.
+
+A frontend that declares the `supports_preview_metadata` feature flag gets PREVIEW_IMAGE_WITH_METADATA frames
+(event 4: uint32 metadata length, metadata JSON, image bytes); any other client gets PREVIEW_IMAGE frames
+(event 1: uint32 image type, 1 JPEG or 2 PNG, image bytes). Both ComfyUI versions send either.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+from dataclasses import dataclass
+
+import pytest
+from comfy_server import COMFY_SKIPPED, DEFAULT_COMFY_DIR, ComfyServer
+from PIL import Image
+from workflow_graphs import TINY_MODEL, build_api_workflow, for_tiny_model, nodes_of_type
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+PREVIEW_IMAGE, PREVIEW_IMAGE_WITH_METADATA = 1, 4  # ComfyUI's protocol.BinaryEventTypes
+IMAGE_TYPES = {1: "image/jpeg", 2: "image/png"}
+PIL_FORMATS = {"image/jpeg": "JPEG", "image/png": "PNG"}
+PREVIEW_SIZE = 256  # --preview-size: ComfyUI scales each preview to fit this square, keeping its aspect
+CLIENTS = {"legacy client": None, "metadata client": {"supports_preview_metadata": True}}
+
+
+@dataclass(frozen=True)
+class Preview:
+    event: int
+    mimetype: str
+    image: bytes
+    metadata: dict | None
+
+
+def _previews(messages: list[bytes]) -> list[Preview]:
+    """The preview frames among the binary websocket messages, headers decoded."""
+    previews = []
+    for message in messages:
+        (event,) = struct.unpack(">I", message[:4])
+        if event == PREVIEW_IMAGE:
+            (image_type,) = struct.unpack(">I", message[4:8])
+            previews.append(Preview(event, IMAGE_TYPES[image_type], message[8:], None))
+        elif event == PREVIEW_IMAGE_WITH_METADATA:
+            (length,) = struct.unpack(">I", message[4:8])
+            metadata = json.loads(message[8 : 8 + length])
+            previews.append(Preview(event, metadata["image_type"], message[8 + length :], metadata))
+    return previews
+
+
+@pytest.fixture(scope="module")
+def preview_base(tmp_path_factory):
+    if COMFY_SKIPPED:
+        pytest.skip(f"SKIPPED: no ComfyUI for this dependency set ({COMFY_SKIPPED}); set COMFYUI_DIR")
+    if not (DEFAULT_COMFY_DIR / "main.py").is_file():
+        pytest.fail(f"ComfyUI is not installed at {DEFAULT_COMFY_DIR}; run `bash scripts/setup.sh`", pytrace=False)
+    from wanvace_core.tiny import write_tiny_pipeline
+
+    base = tmp_path_factory.mktemp("comfy_preview")
+    ComfyServer(base).prepare()
+    write_tiny_pipeline(base / "models" / "diffusers" / TINY_MODEL)
+    return base
+
+
+@pytest.fixture(scope="module", params=["latent2rgb", "none"])
+def preview_server(request, preview_base):
+    with ComfyServer(
+        preview_base, extra_args=["--preview-method", request.param, "--preview-size", str(PREVIEW_SIZE)]
+    ) as server:
+        yield request.param, server
+
+
+def _workflow(seed: int) -> tuple[dict, str, int]:
+    """The tiny t2v workflow with its own seed (an unchanged prompt would come from ComfyUI's cache)."""
+    workflow = for_tiny_model(build_api_workflow("t2v"), seed=seed)
+    (sampler_id,) = [key for key, node in workflow.items() if node["class_type"] == "WanVACESampler"]
+    (sampler,) = nodes_of_type(workflow, "WanVACESampler")
+    return workflow, sampler_id, sampler["inputs"]["steps"]
+
+
+@pytest.mark.parametrize("client", list(CLIENTS))
+def test_one_preview_per_sampler_step_unless_method_none(client, preview_server):
+    method, server = preview_server
+    workflow, sampler_id, steps = _workflow(seed=101 + list(CLIENTS).index(client))
+    (conditioning,) = nodes_of_type(workflow, "WanVACEConditioning")
+    result = server.run_prompt(workflow, timeout=600, feature_flags=CLIENTS[client])
+    assert result.status == "success", (result.error, server.log_tail())
+    progress = [event for event in result.progress_events() if event.get("node") == sampler_id]
+    assert progress and progress[-1]["value"] == steps, progress
+    previews = _previews(result.binary_messages)
+    if method == "none":
+        assert previews == []
+        return
+    assert len(previews) == steps, [(p.event, len(p.image)) for p in previews]
+    expected_event = PREVIEW_IMAGE if CLIENTS[client] is None else PREVIEW_IMAGE_WITH_METADATA
+    width, height = conditioning["inputs"]["width"], conditioning["inputs"]["height"]
+    assert width >= height, "the tiny t2v workflow is landscape"
+    shown_size = (PREVIEW_SIZE, PREVIEW_SIZE * height // width)
+    for preview in previews:
+        assert preview.event == expected_event
+        if preview.metadata is not None:
+            assert preview.metadata["node_id"] == sampler_id and preview.metadata["prompt_id"] == result.prompt_id
+        image = Image.open(io.BytesIO(preview.image))
+        assert image.format == PIL_FORMATS[preview.mimetype]
+        image.load()  # a truncated or corrupt file fails here
+        assert image.size == shown_size and image.mode == "RGB"
+    assert "Traceback" not in server.log_text(), server.log_tail(80)
+
+
+def test_cancel_still_stops_the_sampler(preview_server):
+    method, server = preview_server
+    workflow, sampler_id, _steps = _workflow(seed=201)
+    steps = 40
+    nodes_of_type(workflow, "WanVACESampler")[0]["inputs"]["steps"] = steps
+    result = server.run_prompt(workflow, timeout=600, interrupt_after_progress=2)
+    assert result.status == "interrupted", (result.error, server.log_tail())
+    values = [event["value"] for event in result.progress_events() if event.get("node") == sampler_id]
+    assert values and values[-1] < steps, values
+    previews = _previews(result.binary_messages)
+    if method == "none":
+        assert previews == []
+    else:
+        assert 0 < len(previews) < steps
