@@ -8,6 +8,7 @@ from .decode import WanVACEDecode
 from .examples import install_example_inputs
 from .experts_loader import WanVACEExpertsLoader
 from .loader import WanVACEModelLoader
+from .lora import WanVACELoraLoader
 from .offload import WanVACEOffloadOptions
 from .parallel import WanVACEParallelOptions
 from .sampler import WanVACESampler
@@ -24,6 +25,7 @@ class WanVACEExtension(ComfyExtension):
         return [
             WanVACEModelLoader,
             WanVACEExpertsLoader,
+            WanVACELoraLoader,
             WanVACEConditioning,
             WanVACESampler,
             WanVACEDecode,

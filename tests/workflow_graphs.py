@@ -32,9 +32,18 @@ TASKS = tuple(TASK_PROMPTS)
 CACHE_VARIANT = "_cache"
 # Variants that load the single files ComfyUI users have with WanVACE Experts Loader.
 FP8_VARIANT, GGUF_VARIANT = "_fp8", "_gguf"
-VARIANTS = (CACHE_VARIANT, FP8_VARIANT, GGUF_VARIANT)
-# Every shipped workflow: one per task, plus variants with the Cache-DiT node and the single-file loader.
-WORKFLOWS = (*TASKS, "v2v" + CACHE_VARIANT, "i2v" + FP8_VARIANT, "t2v" + GGUF_VARIANT)
+# Variants that sample through WanVACE LoRA Loader: a 4-step distillation LoRA, a style LoRA.
+LIGHTNING_VARIANT, STYLE_LORA_VARIANT = "_lightning", "_style_lora"
+VARIANTS = (CACHE_VARIANT, FP8_VARIANT, GGUF_VARIANT, LIGHTNING_VARIANT, STYLE_LORA_VARIANT)
+# Every shipped workflow: one per task, plus variants with the Cache-DiT node, the single-file loader and LoRAs.
+WORKFLOWS = (
+    *TASKS,
+    "v2v" + CACHE_VARIANT,
+    "i2v" + FP8_VARIANT,
+    "t2v" + GGUF_VARIANT,
+    "t2v" + LIGHTNING_VARIANT,
+    "v2v" + STYLE_LORA_VARIANT,
+)
 # The files each single-file variant names (Comfy-Org's repackaged fp8 experts, umt5 and VAE; city96-style
 # GGUF experts as QuantStack publishes them). The integration suite writes tiny files under these names.
 SINGLE_FILES = {
@@ -51,6 +60,37 @@ SINGLE_FILES = {
         "vae": "wan_2.1_vae.safetensors",
     },
 }
+
+
+@dataclass(frozen=True)
+class LoraUse:
+    """One WanVACE LoRA Loader of a LoRA variant: the file it names and its strength on each expert."""
+
+    title: str
+    lora_name: str
+    strength_high_noise: float
+    strength_low_noise: float
+
+
+# The LoRA files each LoRA variant names. Lightning: lightx2v's Wan2.2-T2V-A14B 4-step LoRA (v1.1) as Comfy-Org
+# repackages it, one file per expert (VACE-Fun A14B is built on the T2V experts). The style LoRA stands for the
+# user's own. The integration suite writes tiny LoRA files under these names.
+LORA_FILES = {
+    LIGHTNING_VARIANT: (
+        LoraUse(
+            "LoRA: Lightning 4-step (high noise)",
+            "wan2.2_t2v_lightx2v_4steps_lora_v1.1_high_noise.safetensors",
+            1.0,
+            0.0,
+        ),
+        LoraUse(
+            "LoRA: Lightning 4-step (low noise)", "wan2.2_t2v_lightx2v_4steps_lora_v1.1_low_noise.safetensors", 0.0, 1.0
+        ),
+    ),
+    STYLE_LORA_VARIANT: (LoraUse("LoRA: your style", "wan_style_lora.safetensors", 0.8, 0.8),),
+}
+# What the Lightning LoRAs are distilled for: 4 steps without guidance (cfg 1 skips the negative pass), shift 5.
+LIGHTNING_SAMPLING = {"steps": 4, "cfg": 1.0, "cfg_low_noise": 1.0, "shift": 5.0, "scheduler": "euler"}
 
 
 def task_of(name: str) -> str:
@@ -83,6 +123,8 @@ WORKFLOW_TITLES = {
     "v2v" + CACHE_VARIANT: "WanVACE - Cached Control Video",
     "i2v" + FP8_VARIANT: "WanVACE - Image to Video (fp8 single files)",
     "t2v" + GGUF_VARIANT: "WanVACE - Text to Video (GGUF, low VRAM)",
+    "t2v" + LIGHTNING_VARIANT: "WanVACE - Text to Video (Lightning 4-step LoRA)",
+    "v2v" + STYLE_LORA_VARIANT: "WanVACE - Control Video with a style LoRA",
 }
 # The example input files each workflow names (shipped in example_inputs/).
 EXAMPLE_INPUTS = {
@@ -102,6 +144,7 @@ GROUP_COLORS = {
     "inputs": "#8A8",
     "masks": "#8AA",
     "cache": "#3f789e",
+    "lora": "#3f789e",
     "prompt": "#b58b2a",
     "sampling": "#88A",
     "output": "#a1309b",
@@ -241,6 +284,23 @@ def _note(name: str) -> str:
         lines += ["", "**Smaller GPU:** connect **WanVACE Offload Options** to the loader's `offload` input."]
     if name.endswith(CACHE_VARIANT):
         lines += ["", "**WanVACE Cache Options** skips steps with Cache-DiT: faster, slightly different."]
+    if variant_of(name) == LIGHTNING_VARIANT:
+        high, low = (lora.lora_name for lora in LORA_FILES[LIGHTNING_VARIANT])
+        lines += [
+            "",
+            f"**LoRA:** put lightx2v's Lightning 4-step LoRA files `{high}` and `{low}` in `ComfyUI/models/loras/`. "
+            "Each **WanVACE LoRA Loader** puts one file on its own expert (strength 1 there, 0 on the other); the "
+            "sampler then needs only 4 steps with cfg 1 (no negative pass), shift 5, euler: about 10x faster than "
+            "20 steps with cfg 5. Lower a strength to soften the distillation's look.",
+        ]
+    if variant_of(name) == STYLE_LORA_VARIANT:
+        (style,) = LORA_FILES[STYLE_LORA_VARIANT]
+        lines += [
+            "",
+            f"**LoRA:** put a Wan2.1/2.2 14B style LoRA in `ComfyUI/models/loras/` and pick it instead of "
+            f"`{style.lora_name}` in **WanVACE LoRA Loader**; set its strength per expert (a Wan2.2 LoRA made of a "
+            "high-noise and a low-noise file takes two chained loaders, each with 0 on the other expert).",
+        ]
     lines += ["", f"Output: `output/WanVACE/{name}_*.mp4`, {WIDTH}x{HEIGHT}, {LENGTH} frames at 16 fps."]
     return "\n".join(lines)
 
@@ -392,17 +452,33 @@ def _build(name: str) -> _Graph:
             at=("cache", 0),
         )
         cache["cache"] = _out(cache_options)
+    # The LoRAs change only the sampling: conditioning and decoding use the loader's model directly.
+    sampling_model = loader
+    for column, lora in enumerate(LORA_FILES.get(variant_of(name), ())):
+        sampling_model = graph.add(
+            "WanVACELoraLoader",
+            lora.title,
+            model=_out(sampling_model),
+            lora_name=lora.lora_name,
+            strength_high_noise=lora.strength_high_noise,
+            strength_low_noise=lora.strength_low_noise,
+            merge=False,
+            at=("lora", column),
+        )
+    sampling = {"steps": STEPS, "cfg": 5.0, "cfg_low_noise": 5.0, "shift": 0.0, "scheduler": "unipc"}
+    if variant_of(name) == LIGHTNING_VARIANT:
+        sampling = LIGHTNING_SAMPLING
     sampler = graph.add(
         "WanVACESampler",
-        model=_out(loader),
+        model=_out(sampling_model),
         conditioning=_out(conditioning),
         seed=42,
-        steps=STEPS,
-        cfg=5.0,
-        cfg_low_noise=5.0,
+        steps=sampling["steps"],
+        cfg=sampling["cfg"],
+        cfg_low_noise=sampling["cfg_low_noise"],
         boundary_ratio=-1.0,
-        shift=0.0,
-        scheduler="unipc",
+        shift=sampling["shift"],
+        scheduler=sampling["scheduler"],
         **cache,
         at=("sampling", 0),
     )
@@ -422,6 +498,8 @@ def _build(name: str) -> _Graph:
     layout.groups["model"] = "Model"
     if name.endswith(CACHE_VARIANT):
         layout.groups["cache"] = "Step caching (Cache-DiT)"
+    if variant_of(name) in LORA_FILES:
+        layout.groups["lora"] = "LoRAs (sampling only)"
     if task in _INPUT_GROUP_TITLES:
         layout.groups["inputs"] = _INPUT_GROUP_TITLES[task]
     if task in _MASK_GROUP_TITLES:
@@ -432,7 +510,7 @@ def _build(name: str) -> _Graph:
     # The note and the model top left; the inputs top right of them with the output beside (the
     # Run button is above it), prompt and sampling below. The bottom right corner stays empty: both
     # frontends draw their minimap there.
-    left = [["note"], ["model"], *([[key] for key in ("cache", "masks") if key in layout.groups])]
+    left = [["note"], ["model"], *([[key] for key in ("lora", "cache", "masks") if key in layout.groups])]
     if task == "t2v":
         layout.page = [left, [["prompt", "sampling", "output"]]]
     else:

@@ -17,7 +17,7 @@ for _p in (str(_TESTS_DIR), str(_REPO_ROOT)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from comfy_models import write_single_files  # noqa: E402
+from comfy_models import write_lora_files, write_single_files  # noqa: E402
 from comfy_server import COMFY_SKIPPED, DEFAULT_COMFY_DIR, ComfyServer, write_example_inputs  # noqa: E402
 
 TINY_TWO_EXPERTS = "wanvace-tiny"
@@ -51,6 +51,7 @@ def comfy_base(tmp_path_factory) -> Path:
     ComfyServer(base).prepare()
     _write_models(base / "models" / "diffusers")
     write_single_files(base / "models")
+    write_lora_files(base / "models", base / "models" / "diffusers" / TINY_TWO_EXPERTS)
     write_example_inputs(base / "input")
     return base
 

@@ -268,6 +268,7 @@ def test_every_node_and_input_is_described(comfy_server):
         "WanVACECacheOptions",
         "WanVACEOffloadOptions",
         "WanVACEParallelOptions",
+        "WanVACELoraLoader",
     }
     for name, node in ours.items():
         assert node["description"].strip(), name

@@ -1,0 +1,88 @@
+"""WanVACELoraLoader: a LoRA from ComfyUI's loras folder on either expert, each with its own strength (chainable)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import folder_paths
+from comfy_api.latest import io
+
+from ..wanvace_core import WanVACEInputError
+from ..wanvace_core.lora import LoraPatch, check_lora
+from ..wanvace_core.validation import nan_refusing_min
+from .types import CATEGORY, WanVACEModelType
+
+LORA_FOLDER = "loras"
+STRENGTH_RANGE = 10.0
+
+
+def _lora_path(lora_name: str) -> Path:
+    path = folder_paths.get_full_path(LORA_FOLDER, lora_name)
+    if path is None:
+        raise WanVACEInputError(
+            f"lora_name={lora_name!r} is not a file under models/{LORA_FOLDER} "
+            f"({', '.join(folder_paths.get_folder_paths(LORA_FOLDER))}); put it there and refresh."
+        )
+    return Path(path)
+
+
+def _strength_input(name: str, expert: str) -> io.Float.Input:
+    return io.Float.Input(
+        name,
+        default=1.0,
+        min=nan_refusing_min(-STRENGTH_RANGE),
+        max=STRENGTH_RANGE,
+        step=0.01,
+        tooltip=f"How strongly the LoRA changes the {expert} expert; 0 leaves that expert untouched. Distillation "
+        "LoRAs (Lightning, lightx2v) use 1.0 on the expert their file was made for.",
+    )
+
+
+class WanVACELoraLoader(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="WanVACELoraLoader",
+            display_name="WanVACE LoRA Loader",
+            category=CATEGORY,
+            description=(
+                "Adds a LoRA to the experts for the sampling runs of the model it outputs; chain several. The loaded "
+                "weights are not changed: a branch that uses the input model directly samples without this LoRA. "
+                "Reads ComfyUI/kohya (lora_up/lora_down), PEFT/diffusers (lora_A/lora_B) and lightx2v (diff, diff_b) "
+                "files. Wan2.2 LoRAs usually come as a high-noise and a low-noise file: load each with a strength on "
+                "its own expert and 0 on the other."
+            ),
+            inputs=[
+                WanVACEModelType.Input("model", tooltip="The pipeline (or the output of another WanVACE LoRA Loader)."),
+                io.Combo.Input(
+                    "lora_name",
+                    options=folder_paths.get_filename_list(LORA_FOLDER),
+                    tooltip="A LoRA file in ComfyUI's models/loras folder, made for Wan2.1/2.2 14B (VACE or T2V).",
+                ),
+                _strength_input("strength_high_noise", "high-noise (transformer)"),
+                _strength_input("strength_low_noise", "low-noise (transformer_2)"),
+                io.Boolean.Input(
+                    "merge",
+                    default=False,
+                    tooltip="Off: the LoRA runs beside the weights (works with every offload mode and with fp8/GGUF "
+                    "weights kept quantised). On: merged into the weights for each run and restored exactly after; "
+                    "faster steps, needs offload none and plain float weights, and a host copy of the changed weights.",
+                ),
+            ],
+            outputs=[
+                WanVACEModelType.Output(display_name="model", tooltip="The pipeline that samples with this LoRA.")
+            ],
+        )
+
+    @classmethod
+    def execute(
+        cls, model, lora_name: str, strength_high_noise: float, strength_low_noise: float, merge: bool
+    ) -> io.NodeOutput:
+        patch = LoraPatch(
+            path=_lora_path(lora_name),
+            strength_high_noise=strength_high_noise,
+            strength_low_noise=strength_low_noise,
+            merge=merge,
+        )
+        check_lora(model, patch)
+        return io.NodeOutput(model.with_loras(patch))

@@ -1,0 +1,710 @@
+"""LoRAs on the two experts, for one sampling run: low-rank updates and full weight differences.
+
+A file is read once into `LoraWeights` (diffusers module names, tensors as stored) and cached by
+(path, mtime, size). Key layouts:
+
+- ComfyUI / kohya on the original Wan names: `diffusion_model.blocks.0.self_attn.q.lora_up.weight`,
+  `.lora_down.weight`, `.alpha` (with or without the prefix; also `lora_unet_blocks_0_self_attn_q`);
+- PEFT / diffusers: `lora_A.weight`, `lora_B.weight` (and `lora_B.bias`), on diffusers names
+  (`transformer.blocks.0.attn1.to_q`) or on the original names;
+- lightx2v's full differences: `<module>.diff` (a weight delta: Linear, Conv3d, norms), `<module>.diff_b`
+  (a bias delta) and `blocks.N.modulation.diff` / `head.modulation.diff` (the `scale_shift_table`s).
+
+Original names become diffusers names through diffusers' `convert_wan_transformer_to_diffusers`, run
+over the names only, as `wan_layouts` does for the experts. diffusers' own Wan LoRA converter
+(`_convert_non_diffusers_wan_lora_to_diffusers`, diffusers 0.36 and 0.42 alike) does not fit: it
+raises on `vace_blocks.*` keys and silently drops the `.diff` weight deltas and every norm diff.
+
+`applied_loras` patches the experts for one run and leaves them bitwise as they were afterwards:
+Linear layers (also `QuantizedLinear`, whose weights stay fp8/GGUF) get a forward hook adding
+`x A^T B^T * strength * alpha / rank` (and `x diff^T + diff_b`) to their output; other modules with
+parameter diffs get the patched parameter bound just before they run, computed from the tensor bound
+at that moment (so offload's streamed copies are patched too), and the original bound back after.
+`merge=True` instead adds the deltas into the weights in place (plain float weights on the device
+only) and copies the originals back at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .errors import WanVACEInputError
+from .validation import validate_finite
+
+logger = logging.getLogger(__name__)
+
+STRENGTH_LIMIT = 10.0
+_CACHE_SIZE = 4  # parsed files kept; a 14B rank-64 LoRA is ~0.6 GB in host memory
+
+# Longest first: a key is matched against the first suffix it ends with.
+_SUFFIXES = (
+    (".lora_down.weight", "down"),
+    (".lora_up.weight", "up"),
+    (".lora_A.weight", "down"),
+    (".lora_B.weight", "up"),
+    (".lora_B.bias", "up_bias"),
+    (".alpha", "alpha"),
+    (".diff_b", "diff_b"),
+    (".diff", "diff"),
+)
+_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "base_model.model.", "transformer.")
+_UNDERSCORE_PREFIX = "lora_unet_"
+# Name parts that contain an underscore, original Wan and diffusers: `lora_unet_` keys join the
+# parts of a module path with underscores, so these are matched as one part.
+_COMPOUND_PARTS = (
+    "vace_patch_embedding",
+    "condition_embedder",
+    "scale_shift_table",
+    "patch_embedding",
+    "time_projection",
+    "text_embedding",
+    "time_embedding",
+    "text_embedder",
+    "time_embedder",
+    "before_proj",
+    "vace_blocks",
+    "after_proj",
+    "cross_attn",
+    "self_attn",
+    "time_proj",
+    "proj_out",
+    "linear_1",
+    "linear_2",
+    "proj_in",
+    "img_emb",
+    "norm_q",
+    "norm_k",
+    "to_out",
+    "k_img",
+    "v_img",
+    "to_q",
+    "to_k",
+    "to_v",
+)
+# Names only diffusers' layout uses: a file holding any of them is in diffusers names throughout.
+_DIFFUSERS_MARKERS = (
+    "attn1.",
+    "attn2.",
+    ".to_q",
+    ".to_out",
+    "ffn.net.",
+    "condition_embedder.",
+    "proj_in",
+    "proj_out",
+    "scale_shift_table",
+)
+# Model widths of the published Wan transformers, to say which model a foreign LoRA was made for.
+_KNOWN_WIDTHS = {5120: "a Wan 14B model", 1536: "a Wan 1.3B model", 3072: "the Wan2.2 5B model"}
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+@dataclass(frozen=True)
+class LoraPatch:
+    """One LoRA file and its strength on each expert (high noise = `transformer`, low noise = `transformer_2`).
+
+    `merge=True` adds the LoRA into the weights for the run (faster steps; plain float weights kept on the
+    device only); the default applies it on the fly, which works with every offload mode and fp8/GGUF weights.
+    """
+
+    path: Path
+    strength_high_noise: float = 1.0
+    strength_low_noise: float = 1.0
+    merge: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, (str, Path)) or not str(self.path):
+            raise WanVACEInputError(f"path={self.path!r} is not a file path; choose a LoRA .safetensors file.")
+        object.__setattr__(self, "path", Path(self.path))
+        for name in ("strength_high_noise", "strength_low_noise"):
+            fix = (
+                f"use a value in [-{STRENGTH_LIMIT:g}, {STRENGTH_LIMIT:g}] (1.0 is the LoRA as trained, 0 turns it off)"
+            )
+            value = validate_finite(name, getattr(self, name), fix)
+            if abs(value) > STRENGTH_LIMIT:
+                raise WanVACEInputError(f"{name}={getattr(self, name)} is out of range; {fix}.")
+            object.__setattr__(self, name, value)
+        if not isinstance(self.merge, bool):
+            raise WanVACEInputError(f"merge={self.merge!r} must be True or False.")
+
+    def strength(self, expert_attribute: str) -> float:
+        return self.strength_high_noise if expert_attribute == "transformer" else self.strength_low_noise
+
+
+@dataclass
+class LoraEntry:
+    """What one file holds for one module (or, for parameter diffs, one parameter), in diffusers names."""
+
+    name: str
+    keys: dict[str, str] = field(default_factory=dict)  # kind ("down", "diff", ...) -> the file's key, for messages
+    down: torch.Tensor | None = None  # A: [rank, in, ...]
+    up: torch.Tensor | None = None  # B: [out, rank, ...]
+    up_bias: torch.Tensor | None = None
+    alpha: float | None = None
+    diff: torch.Tensor | None = None
+    diff_b: torch.Tensor | None = None
+
+    @property
+    def key(self) -> str:
+        """The first key of the file naming this entry."""
+        return next(iter(self.keys.values()))
+
+    @property
+    def rank(self) -> int:
+        return self.down.shape[0]
+
+    @property
+    def scale(self) -> float:
+        """alpha / rank, or 1 for a file without alpha (PEFT files fold it into B)."""
+        return 1.0 if self.alpha is None else self.alpha / self.rank
+
+
+@dataclass(frozen=True)
+class LoraWeights:
+    """A parsed LoRA file: entries by diffusers name. Treat as read-only; it is shared through the cache."""
+
+    path: Path
+    naming: str  # "original" (Wan / ComfyUI names) or "diffusers"
+    entries: dict[str, LoraEntry] = field(repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(
+            tensor.numel() * tensor.element_size()
+            for entry in self.entries.values()
+            for tensor in (entry.down, entry.up, entry.up_bias, entry.diff, entry.diff_b)
+            if tensor is not None
+        )
+
+
+_cache: OrderedDict[tuple, LoraWeights] = OrderedDict()
+_cache_lock = threading.Lock()
+
+
+def load_lora(path: str | Path) -> LoraWeights:
+    """Reads and parses a LoRA `.safetensors` file; an unchanged file is served from a small cache."""
+    path = Path(path)
+    if path.suffix.lower() != ".safetensors":
+        raise WanVACEInputError(
+            f"LoRA {path} is not a .safetensors file; pickle LoRAs (.pt, .ckpt, .bin) are refused. Use the "
+            "safetensors release of this LoRA."
+        )
+    try:
+        stat = path.resolve().stat()
+    except OSError as error:
+        raise WanVACEInputError(f"LoRA {path} cannot be read ({error.strerror}); choose an existing file.") from error
+    key = (str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+    with _cache_lock:
+        if key in _cache:
+            _cache.move_to_end(key)
+            return _cache[key]
+    weights = _parse(path, _read(path))
+    with _cache_lock:
+        _cache[key] = weights
+        while len(_cache) > _CACHE_SIZE:
+            _cache.popitem(last=False)
+    return weights
+
+
+def _read(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as error:
+        raise WanVACEInputError(f"LoRA {path} is not a readable safetensors file ({error}); re-download it.") from error
+
+
+def _split_key(key: str) -> tuple[str, str] | None:
+    """(module path as written, kind) of one key, or None for a key no LoRA layout has."""
+    name = key
+    for prefix in _PREFIXES:
+        if name.startswith(prefix):
+            name = name[len(prefix) :]
+            break
+    for suffix, kind in _SUFFIXES:
+        if name.endswith(suffix):
+            module = name[: -len(suffix)]
+            if module.startswith(_UNDERSCORE_PREFIX):
+                module = _dotted(module[len(_UNDERSCORE_PREFIX) :])
+            return (module, kind) if module else None
+    return None
+
+
+def _dotted(underscored: str) -> str:
+    """`blocks_0_self_attn_q` -> `blocks.0.self_attn.q` (compound parts matched longest first)."""
+    parts, rest = [], underscored
+    while rest:
+        compound = next((part for part in _COMPOUND_PARTS if re.match(re.escape(part) + r"(_|$)", rest)), None)
+        part = compound or rest.split("_", 1)[0]
+        parts.append(part)
+        rest = rest[len(part) + 1 :]
+    return ".".join(parts)
+
+
+def _diffusers_name(original: str) -> str:
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+    # The converter renames state-dict keys ('.o.' needs the dot after it): give it one as a weight key.
+    (renamed,) = convert_wan_transformer_to_diffusers({f"{original}.weight": None})
+    return renamed[: -len(".weight")]
+
+
+def _parse(path: Path, tensors: dict[str, torch.Tensor]) -> LoraWeights:
+    split = {}
+    for key, tensor in tensors.items():
+        parts = _split_key(key)
+        if parts is None:
+            raise WanVACEInputError(
+                f"LoRA {path} holds '{key}', which is no LoRA key this pack knows (lora_up/lora_down/alpha, "
+                "lora_A/lora_B, diff/diff_b); use a LoRA made for Wan (ComfyUI, kohya, diffusers or lightx2v)."
+            )
+        if not (tensor.dtype in _FLOAT_DTYPES or tensor.dtype.is_floating_point):
+            raise WanVACEInputError(f"LoRA {path} stores '{key}' as {tensor.dtype}, not floats; re-download it.")
+        split[key] = parts
+    if not split:
+        raise WanVACEInputError(f"LoRA {path} holds no tensors; use a LoRA made for this model.")
+    names = {module for module, _ in split.values()}
+    naming = "diffusers" if any(marker in name for name in names for marker in _DIFFUSERS_MARKERS) else "original"
+    renamed = {name: name if naming == "diffusers" else _diffusers_name(name) for name in names}
+    entries: dict[str, LoraEntry] = {}
+    for key, (module, kind) in split.items():
+        name = renamed[module]
+        entry = entries.setdefault(name, LoraEntry(name))
+        entry.keys.setdefault(kind, key)
+        if kind == "alpha":
+            if tensors[key].numel() != 1:
+                raise WanVACEInputError(
+                    f"LoRA {path} has a {list(tensors[key].shape)} alpha '{key}'; alpha is one number. Re-download it."
+                )
+            entry.alpha = float(tensors[key].float().item())
+        elif getattr(entry, kind) is not None:
+            raise WanVACEInputError(
+                f"LoRA {path} holds '{key}' twice under different spellings; the file is malformed, re-download it."
+            )
+        else:
+            setattr(entry, kind, tensors[key])
+    for entry in entries.values():
+        _check_entry(path, entry)
+    return LoraWeights(path, naming, entries)
+
+
+def _check_entry(path: Path, entry: LoraEntry) -> None:
+    if (entry.down is None) != (entry.up is None):
+        missing = "up (lora_up / lora_B)" if entry.up is None else "down (lora_down / lora_A)"
+        raise WanVACEInputError(
+            f"LoRA {path} has '{entry.key}' without its {missing} matrix; the file is incomplete, re-download it."
+        )
+    if entry.down is None and (entry.alpha is not None or entry.up_bias is not None):
+        raise WanVACEInputError(
+            f"LoRA {path} has '{entry.key}' without the low-rank matrices it belongs to; re-download it."
+        )
+    if entry.down is not None:
+        if entry.down.ndim < 2 or entry.up.ndim < 2 or entry.up.shape[1] != entry.down.shape[0]:
+            raise WanVACEInputError(
+                f"LoRA {path} has '{entry.key}' with down {list(entry.down.shape)} and up {list(entry.up.shape)}, "
+                "whose ranks do not match; the file is malformed, re-download it."
+            )
+        if entry.alpha is not None and not math.isfinite(entry.alpha):
+            raise WanVACEInputError(f"LoRA {path} has alpha {entry.alpha} for '{entry.key}'; re-download it.")
+
+
+# --------------------------------------------------------------------------------------------------
+# Matching a file against the model
+
+
+@dataclass(frozen=True)
+class _Change:
+    """One parameter a LoRA entry changes: `module._parameters[attr]`, with the entry's parts for it."""
+
+    module_name: str
+    module: torch.nn.Module
+    attr: str
+    entry: LoraEntry
+    part: str  # "low_rank", "diff", "diff_b", "up_bias"
+
+
+def _is_linear(module: torch.nn.Module) -> bool:
+    from .quantized import QuantizedLinear
+
+    return isinstance(module, (torch.nn.Linear, QuantizedLinear))
+
+
+def _param_shape(module: torch.nn.Module, attr: str) -> tuple[int, ...] | None:
+    param = module._parameters.get(attr)
+    if param is None:
+        return None
+    if attr == "weight" and _is_linear(module):
+        return (module.out_features, module.in_features)  # a QuantizedLinear stores its weight flat
+    return tuple(param.shape)
+
+
+def _submodule(expert: torch.nn.Module, name: str) -> torch.nn.Module | None:
+    try:
+        return expert.get_submodule(name) if name else expert
+    except AttributeError:
+        return None
+
+
+def _width(expert: torch.nn.Module) -> int:
+    config = expert.config
+    return config.num_attention_heads * config.attention_head_dim
+
+
+def _lora_width(weights: LoraWeights) -> int | None:
+    """The model width a LoRA was made for, read from its attention projections, if it has any."""
+    for name, entry in weights.entries.items():
+        if re.search(r"attn[12]\.to_[qkv]$", name):
+            if entry.down is not None:
+                return entry.down.shape[1]
+            if entry.diff is not None:
+                return entry.diff.shape[-1]
+    return None
+
+
+def _describe(width: int) -> str:
+    return _KNOWN_WIDTHS.get(width, f"a model of width {width}")
+
+
+def _foreign(
+    weights: LoraWeights, expert: torch.nn.Module, entry: LoraEntry, problem: str, part: str | None = None
+) -> WanVACEInputError:
+    width, ours = _lora_width(weights), _width(expert)
+    if width is not None and width != ours:
+        fix = f"this LoRA is for {_describe(width)}, not {_describe(ours)}; use a LoRA made for this model"
+    else:
+        fix = f"use a LoRA made for this model ({_describe(ours)}: Wan2.2 14B LoRAs for Wan2.2-VACE-Fun-A14B)"
+    key = entry.keys.get(part, entry.key)
+    return WanVACEInputError(f"LoRA {weights.path} does not fit this model: '{key}' {problem}; {fix}.")
+
+
+def _changes(weights: LoraWeights, expert: torch.nn.Module) -> list[_Change]:
+    """Every parameter `weights` changes in `expert`; the first entry that does not fit is refused."""
+    changes = []
+    for entry in weights.entries.values():
+        module = _submodule(expert, entry.name)
+        if module is None:
+            # `blocks.N.modulation.diff` / `head.modulation.diff` name a parameter, not a module.
+            parent, _, attr = entry.name.rpartition(".")
+            owner = _submodule(expert, parent)
+            only_diff = entry.down is None and entry.diff_b is None and entry.diff is not None
+            if owner is None or not only_diff or _param_shape(owner, attr) is None:
+                raise _foreign(weights, expert, entry, f"names {entry.name!r}, which this model does not have")
+            _expect_shape(weights, expert, entry, entry.diff, _param_shape(owner, attr), "diff")
+            changes.append(_Change(parent, owner, attr, entry, "diff"))
+            continue
+        weight_shape = _param_shape(module, "weight")
+        if entry.down is not None:
+            if weight_shape is None:
+                problem = f"adds a low-rank update to {entry.name!r}, which has no weight"
+                raise _foreign(weights, expert, entry, problem, "down")
+            delta = (entry.up.shape[0], *entry.down.shape[1:])
+            if _is_linear(module):
+                fits = entry.down.ndim == 2 and entry.up.ndim == 2 and delta == weight_shape
+            else:  # convolutions: B [out, r, 1, ...] @ A [r, in, k...]
+                fits = (
+                    delta == weight_shape
+                    and all(size == 1 for size in entry.up.shape[2:])
+                    and entry.up.ndim == entry.down.ndim
+                )
+            if not fits:
+                raise _foreign(
+                    weights,
+                    expert,
+                    entry,
+                    f"has down {list(entry.down.shape)} and up {list(entry.up.shape)}; {entry.name} is "
+                    f"{list(weight_shape)} here",
+                    "down",
+                )
+            changes.append(_Change(entry.name, module, "weight", entry, "low_rank"))
+        if entry.diff is not None:
+            _expect_shape(weights, expert, entry, entry.diff, weight_shape, "diff")
+            changes.append(_Change(entry.name, module, "weight", entry, "diff"))
+        for part, tensor in (("up_bias", entry.up_bias), ("diff_b", entry.diff_b)):
+            if tensor is not None:
+                _expect_shape(weights, expert, entry, tensor, _param_shape(module, "bias"), part)
+                changes.append(_Change(entry.name, module, "bias", entry, part))
+    return changes
+
+
+def _expect_shape(weights, expert, entry: LoraEntry, tensor: torch.Tensor, shape, part: str) -> None:
+    if shape is None:
+        problem = f"has a {part} for {entry.name!r}, which has no such parameter here"
+        raise _foreign(weights, expert, entry, problem, part)
+    if tuple(tensor.shape) != tuple(shape):
+        problem = f"has a {list(tensor.shape)} {part}; {entry.name} is {list(shape)} here"
+        raise _foreign(weights, expert, entry, problem, part)
+
+
+def _refuse_remote(model) -> None:
+    if getattr(model, "remote", None) is not None:
+        raise WanVACEInputError(
+            "LoRAs are not supported yet with parallel options (the experts run in the workers); disconnect the "
+            "parallel options or the LoRA."
+        )
+
+
+def check_lora(model, patch: LoraPatch) -> None:
+    """Refuses, before any sampling, a LoRA file that does not fit `model`'s experts (naming file and key)."""
+    _refuse_remote(model)
+    weights = load_lora(patch.path)
+    _changes(weights, model.reference_expert)
+
+
+# --------------------------------------------------------------------------------------------------
+# Applying
+
+
+def _low_rank_delta(entry: LoraEntry, shape) -> torch.Tensor:
+    """B @ A in fp32 in the weight's shape (for a convolution, B [out, r, 1..] @ A [r, in, k..])."""
+    return (entry.up.float().flatten(1) @ entry.down.float().flatten(1)).reshape(shape)
+
+
+def _delta(change: _Change, strength: float) -> torch.Tensor:
+    """The change to the parameter, in fp32: strength * (alpha / rank) * B @ A, or strength * diff."""
+    entry = change.entry
+    if change.part == "low_rank":
+        return _low_rank_delta(entry, _param_shape(change.module, "weight")) * (strength * entry.scale)
+    if change.part == "up_bias":
+        return entry.up_bias.float() * (strength * entry.scale)
+    return getattr(entry, change.part).float() * strength
+
+
+class _OutputTerms:
+    """Forward hook of one Linear: adds every patch's term to the output, in the input's dtype."""
+
+    def __init__(self) -> None:
+        self.terms: list[tuple[str, tuple[torch.Tensor | None, ...]]] = []
+        self._cast: dict[tuple, torch.Tensor] = {}
+
+    def add(self, change: _Change, strength: float, device, dtype) -> None:
+        entry = change.entry
+
+        def prepared(tensor):
+            # Always a fresh allocation: tensors read from a file sit at its offsets, and CPU GEMM kernels pick
+            # their path by operand alignment, so a file's layout would otherwise change the result's last bits.
+            return tensor.to(device=device, dtype=dtype, copy=True)
+
+        if change.part == "low_rank":
+            # B is scaled once here, so the hook computes (x A^T) B'^T.
+            up = entry.up.float() * (strength * entry.scale)
+            self.terms.append(("low_rank", (prepared(entry.down), prepared(up))))
+        elif change.part == "up_bias":
+            self.terms.append(("bias", (prepared(entry.up_bias.float() * (strength * entry.scale)),)))
+        elif change.part == "diff":
+            self.terms.append(("linear", (prepared(entry.diff.float() * strength),)))
+        else:
+            self.terms.append(("bias", (prepared(entry.diff_b.float() * strength),)))
+
+    def _like(self, tensor: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if tensor.dtype == x.dtype and tensor.device == x.device:
+            return tensor
+        key = (id(tensor), x.dtype, x.device)
+        if key not in self._cast:
+            self._cast[key] = tensor.to(device=x.device, dtype=x.dtype)
+        return self._cast[key]
+
+    def __call__(self, _module, args, output):
+        x = args[0]
+        linear = torch.nn.functional.linear
+        for kind, tensors in self.terms:
+            if kind == "low_rank":
+                down, up = (self._like(tensor, x) for tensor in tensors)
+                output = output + linear(linear(x, down), up)
+            elif kind == "linear":
+                output = output + linear(x, self._like(tensors[0], x))
+            else:
+                output = output + self._like(tensors[0], output)
+        return output
+
+
+class _BoundParameters:
+    """Pre-hook and hook of a non-Linear module: binds `param + delta` while it runs, the original after."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self.deltas: dict[str, list[torch.Tensor]] = {}
+        self.bound: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # attr -> (original, patched)
+
+    def add(self, attr: str, delta: torch.Tensor) -> None:
+        self.deltas.setdefault(attr, []).append(delta)
+
+    def before(self, *_args) -> None:
+        self.restore()  # a forward that raised never ran the restoring hook
+        for attr, deltas in self.deltas.items():
+            param = self.module._parameters[attr]
+            current = param.data  # whatever is bound now: the resident weight or offload's device copy
+            patched = current.float()
+            for delta in deltas:
+                patched = patched + delta.to(current.device)
+            patched = patched.to(current.dtype)
+            param.data = patched
+            self.bound[attr] = (current, patched)
+
+    def after(self, *_args) -> None:
+        self.restore()
+
+    def restore(self) -> None:
+        for attr, (original, patched) in self.bound.items():
+            param = self.module._parameters[attr]
+            # Offload may already have bound its host copy back after an error: leave that in place.
+            if param.data_ptr() == patched.data_ptr():
+                param.data = original
+        self.bound.clear()
+
+
+def _offload_mode(model) -> str:
+    from .offload import OnDevice
+
+    residency = model.residency
+    if residency is None or isinstance(residency, OnDevice):
+        return "none"
+    return residency.options.mode
+
+
+def _expert_changes(model, patches: Sequence[LoraPatch]) -> list[tuple[str, LoraPatch, float, list[_Change]]]:
+    planned = []
+    for patch in patches:
+        weights = load_lora(patch.path)
+        _changes(weights, model.reference_expert)  # the same refusal as check_lora, for callers that skip it
+        for attribute in ("transformer", "transformer_2"):
+            expert = getattr(model, attribute)
+            strength = patch.strength(attribute)
+            if expert is None or strength == 0.0:
+                continue
+            planned.append((attribute, patch, strength, _changes(weights, expert)))
+    return planned
+
+
+def _refuse_merge(model, planned) -> None:
+    from .quantized import QuantizedLinear
+
+    for _attribute, patch, _strength, changes in planned:
+        if not patch.merge:
+            continue
+        mode = _offload_mode(model)
+        if mode != "none":
+            raise WanVACEInputError(
+                f"LoRA {patch.path} has merge on, but offload mode '{mode}' keeps the weights off the device between "
+                "uses, so they cannot be merged in place; set merge off (the LoRA is then applied on the fly, which "
+                "works with every offload mode)."
+            )
+        for change in changes:
+            param = change.module._parameters[change.attr]
+            if isinstance(change.module, QuantizedLinear) and change.attr == "weight":
+                raise WanVACEInputError(
+                    f"LoRA {patch.path} has merge on, but {change.module_name} keeps its weights as stored "
+                    f"({change.module.weight_format.quant or change.module.weight_format.kind}), which cannot be "
+                    "merged into; set merge off, or load the experts with weight_dtype bf16/fp16/fp32."
+                )
+            if param.dtype not in _FLOAT_DTYPES:
+                raise WanVACEInputError(
+                    f"LoRA {patch.path} has merge on, but {change.module_name}.{change.attr} is stored as "
+                    f"{param.dtype}; set merge off."
+                )
+
+
+@contextlib.contextmanager
+def _merged(model, planned) -> Iterator[None]:
+    """Adds the merge patches' deltas into the weights in place; copies the originals back on exit."""
+    totals: dict[tuple[int, str], tuple[torch.nn.Module, str, list[torch.Tensor]]] = {}
+    for attribute, patch, strength, changes in planned:
+        if not patch.merge:
+            continue
+        model.activate(attribute)  # weights an unload dropped are read back before they are merged into
+        for change in changes:
+            slot = totals.setdefault((id(change.module), change.attr), (change.module, change.attr, []))
+            slot[2].append(_delta(change, strength))
+    saved: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+    try:
+        with torch.no_grad():
+            for module, attr, deltas in totals.values():
+                param = module._parameters[attr]
+                original = param.data.to("cpu", copy=True)
+                saved.append((param, original))
+                merged = param.data.float()
+                for delta in deltas:
+                    merged = merged + delta.to(merged.device)
+                param.data.copy_(merged.to(param.dtype))
+        yield
+    finally:
+        with torch.no_grad():
+            for param, original in saved:
+                if not param.is_meta:  # an unload during the run dropped it: it is read back unmerged
+                    param.data.copy_(original)
+
+
+@contextlib.contextmanager
+def applied_loras(model, patches: Sequence[LoraPatch]) -> Iterator[None]:
+    """Applies `patches` (in order; their deltas add up) to `model`'s experts for the duration of the block.
+
+    On exit, also after an error or a cancel, every hook is removed and every merged weight is restored bit
+    for bit. An expert whose strength is 0 gets nothing at all.
+    """
+    patches = tuple(patches)
+    if not patches:
+        yield
+        return
+    _refuse_remote(model)
+    planned = _expert_changes(model, patches)
+    _refuse_merge(model, planned)
+    device, dtype = model.device, model.dtype
+    handles = []
+    binders: list[_BoundParameters] = []
+    try:
+        with _merged(model, planned):
+            outputs: dict[int, tuple[torch.nn.Module, _OutputTerms]] = {}
+            bound: dict[int, _BoundParameters] = {}
+            for attribute, patch, strength, changes in planned:
+                if patch.merge:
+                    _log(patch, attribute, strength, changes, "merged")
+                    continue
+                for change in changes:
+                    if _is_linear(change.module) and change.attr in ("weight", "bias"):
+                        terms = outputs.setdefault(id(change.module), (change.module, _OutputTerms()))[1]
+                        terms.add(change, strength, device, dtype)
+                    else:
+                        if id(change.module) not in bound:
+                            bound[id(change.module)] = _BoundParameters(change.module)
+                        bound[id(change.module)].add(change.attr, _delta(change, strength).to(device))
+                _log(patch, attribute, strength, changes, "applied on the fly")
+            for module, terms in outputs.values():
+                handles.append(module.register_forward_hook(terms))
+            for binder in bound.values():
+                binders.append(binder)
+                # Registered after offload's hooks, so the pre-hook patches the copy offload just bound;
+                # prepended, so the original is back before offload's release hook unbinds it.
+                handles.append(binder.module.register_forward_pre_hook(binder.before))
+                handles.append(binder.module.register_forward_hook(binder.after, prepend=True))
+            yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for binder in binders:
+            binder.restore()
+
+
+def _log(patch: LoraPatch, attribute: str, strength: float, changes: list[_Change], how: str) -> None:
+    expert = "high-noise" if attribute == "transformer" else "low-noise"
+    layers = len({change.module_name for change in changes})
+    low_rank = sum(change.part == "low_rank" for change in changes)
+    logger.info(
+        "LoRA %s on the %s expert, strength %g, %s: %d layers (%d low-rank, %d full differences)",
+        patch.path.name,
+        expert,
+        strength,
+        how,
+        layers,
+        low_rank,
+        len(changes) - low_rank,
+    )
