@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU check in one go, for a machine with one or more CUDA GPUs (about 13 minutes on one H100/H200):
+# Every GPU check in one go, for a machine with one or more CUDA GPUs (about 16 minutes on one H100/H200):
 # the gpu-marked tests, then the GPU benchmarks, each printing its figures. Run from a fresh clone:
 #   bash bench/gpu_check.sh            # sets up the current set first (no ComfyUI server is started)
 # Exits non-zero if a test failed; the benchmarks print ratios measured side by side in one run.
@@ -38,4 +38,7 @@ step "single-file formats bench" 150 "$PY" bench/bench_single_file_gpu.py --size
     --max-seconds 120
 # 1 GPU against N GPUs (the sharded path at world size 1 when the machine has one GPU), A14B expert at 720p.
 step "parallel bench 720x1280x81" 240 "$PY" bench/bench_parallel_gpu.py --height 720 --width 1280 --frames 81 --steps 2
+# Untiled vs tiled (256 px tiles, 64 px overlap) decode of 81 frames at 720p, real Wan 2.1 VAE architecture, bf16.
+step "VAE tiling bench 720x1280x81" 240 "$PY" bench/bench_vae_tiling.py --device cuda --frames 81 --height 720 \
+    --width 1280 --tile-size 256 --overlap 64
 exit "$status"

@@ -5,7 +5,19 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from ..wanvace_core import decode
+from ..wanvace_core.tiling import VAETiling, tiled_peak_bytes, untiled_peak_bytes
+from .memory import set_working_memory
+from .tiling import free_device_bytes, tiling_from_inputs, tiling_inputs, validate_tiling_inputs
 from .types import CATEGORY, WanVACEModelType
+
+
+def _decode_bytes(model, tiling: VAETiling, latents) -> int:
+    """The decode's estimated peak in the mode asked for ("auto" asks room for the untiled decode)."""
+    stride = model.helper.vae_scale_factor_spatial
+    frames, height, width = latents.shape[2], latents.shape[3] * stride, latents.shape[4] * stride
+    if tiling.mode == "on":
+        return tiled_peak_bytes(model, tiling, frames, height, width, encode=False)
+    return untiled_peak_bytes(model, frames, height, width, encode=False)
 
 
 class WanVACEDecode(io.ComfyNode):
@@ -16,14 +28,36 @@ class WanVACEDecode(io.ComfyNode):
             display_name="WanVACE Decode",
             category=CATEGORY,
             description="Decodes a WanVACE video latent with the pipeline's VAE into frames [T, H, W, 3] in [0, 1], "
-            "ready for CreateVideo/SaveVideo or SaveAnimatedWEBP.",
+            "ready for CreateVideo/SaveVideo or SaveAnimatedWEBP. With tiled auto or on, large frames are decoded "
+            "in overlapping tiles (diffusers' VAE tiling) to fit a smaller GPU.",
             inputs=[
                 WanVACEModelType.Input("model", tooltip="The pipeline whose VAE decodes the latent."),
                 io.Latent.Input("samples", tooltip="The video latent from WanVACE Sampler."),
+                *tiling_inputs(),
             ],
             outputs=[io.Image.Output(display_name="frames", tooltip="The decoded video frames.")],
         )
 
     @classmethod
-    def execute(cls, model, samples) -> io.NodeOutput:
-        return io.NodeOutput(decode(model, samples["samples"]))
+    def validate_inputs(cls, tiled=None, tile_size=None, tile_overlap=None) -> bool | str:
+        return validate_tiling_inputs(tiled, tile_size, tile_overlap)
+
+    @classmethod
+    def execute(
+        cls,
+        model,
+        samples,
+        tiled: str = VAETiling.mode,
+        tile_size: int = VAETiling.tile_size,
+        tile_overlap: int = VAETiling.overlap,
+    ) -> io.NodeOutput:
+        tiling = tiling_from_inputs(tiled, tile_size, tile_overlap)
+        latents = samples["samples"]
+        free_bytes = None
+        if latents.ndim == 5:  # decode refuses anything else, naming the input
+            # ComfyUI makes room for this when the VAE's weights move to the device; what is free after that
+            # decides "auto".
+            set_working_memory(model, _decode_bytes(model, tiling, latents))
+            model.activate("vae")
+            free_bytes = free_device_bytes(model) if tiling.mode == "auto" else None
+        return io.NodeOutput(decode(model, latents, tiling, free_bytes))

@@ -6,6 +6,7 @@ import torch
 
 from .errors import WanVACEInputError
 from .model import WanVACEModel
+from .tiling import VAETiling, vae_tiling
 
 
 def _latent_statistics(model: WanVACEModel, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -27,8 +28,14 @@ def to_vae_space(model: WanVACEModel, latents: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def decode(model: WanVACEModel, vae_latents: torch.Tensor) -> torch.Tensor:
-    """Raw VAE latents `[B, C, T, h, w]` -> frames `[B*T', H, W, 3]` in `[0, 1]` (fp32)."""
+def decode(
+    model: WanVACEModel, vae_latents: torch.Tensor, tiling: VAETiling | None = None, free_bytes: int | None = None
+) -> torch.Tensor:
+    """Raw VAE latents `[B, C, T, h, w]` -> frames `[B*T', H, W, 3]` in `[0, 1]` (fp32).
+
+    `tiling` splits the frames into tiles with diffusers' VAE tiling (`wanvace_core.tiling`); `free_bytes`
+    is the device memory free for the decode, which `tiling` "auto" weighs. None leaves the VAE as it is.
+    """
     channels = model.vae.config.z_dim
     if vae_latents.ndim != 5 or vae_latents.shape[1] != channels:
         raise WanVACEInputError(
@@ -37,6 +44,9 @@ def decode(model: WanVACEModel, vae_latents: torch.Tensor) -> torch.Tensor:
         )
     latents = vae_latents.to(model.device, model.vae.dtype)
     model.activate("vae")
-    video = model.vae.decode(latents, return_dict=False)[0]
+    stride = model.helper.vae_scale_factor_spatial
+    latent_frames, height, width = latents.shape[2], latents.shape[3] * stride, latents.shape[4] * stride
+    with vae_tiling(model, tiling, latent_frames, height, width, free_bytes, encode=False):
+        video = model.vae.decode(latents, return_dict=False)[0]
     frames = model.helper.video_processor.postprocess_video(video, output_type="pt")  # [B, T, C, H, W]
     return frames.flatten(0, 1).permute(0, 2, 3, 1).float().cpu()

@@ -1,0 +1,76 @@
+"""The VAE tiling inputs shared by the nodes that run the VAE (WanVACEDecode; the control-video encode)."""
+
+from __future__ import annotations
+
+import comfy.model_management
+from comfy_api.latest import io
+
+from ..wanvace_core import WanVACEInputError
+from ..wanvace_core.tiling import TILING_MODES, VAETiling
+
+_DEFAULT = VAETiling()
+# Optional, so that prompts saved before these inputs existed (API prompts carry no value for them, and
+# ComfyUI refuses a missing required input) still run, with the defaults.
+TILED, TILE_SIZE, TILE_OVERLAP = "tiled", "tile_size", "tile_overlap"
+
+
+def tiling_inputs(prefix: str = "") -> list[io.Input]:
+    """The `tiled`, `tile_size` and `tile_overlap` inputs (each name prefixed with `prefix`)."""
+    return [
+        io.Combo.Input(
+            prefix + TILED,
+            options=list(TILING_MODES),
+            default=_DEFAULT.mode,
+            optional=True,
+            tooltip="Split each frame into overlapping tiles for the VAE (diffusers' tiling), to fit 720p on a "
+            "16-24 GB GPU. auto: tiled only when the untiled pass's estimated peak exceeds the free device memory; "
+            "on: always (a frame larger than one tile); off: never. Tiling is spatial only: the Wan VAE already "
+            "works 4 video frames (one latent frame) at a time, so the length adds no activation memory and there is "
+            "no temporal tile setting.",
+        ),
+        io.Int.Input(
+            prefix + TILE_SIZE,
+            default=_DEFAULT.tile_size,
+            min=64,
+            max=4096,
+            step=8,
+            optional=True,
+            tooltip="Tile width and height in pixels, a multiple of 8 (diffusers' tile_sample_min_height/width). "
+            "Smaller tiles need less memory and take longer.",
+        ),
+        io.Int.Input(
+            prefix + TILE_OVERLAP,
+            default=_DEFAULT.overlap,
+            min=0,
+            max=4088,
+            step=8,
+            optional=True,
+            tooltip="Pixels by which neighbouring tiles overlap and are blended, a multiple of 8 below tile_size "
+            "(tile_size - overlap is diffusers' tile stride). More overlap hides seams and costs time.",
+        ),
+    ]
+
+
+def tiling_from_inputs(
+    tiled: str = _DEFAULT.mode, tile_size: int = _DEFAULT.tile_size, tile_overlap: int = _DEFAULT.overlap
+) -> VAETiling:
+    """The node inputs as `VAETiling`; raises `WanVACEInputError` naming the input."""
+    return VAETiling(mode=tiled, tile_size=tile_size, overlap=tile_overlap)
+
+
+def validate_tiling_inputs(tiled=None, tile_size=None, tile_overlap=None) -> bool | str:
+    """For a node's `validate_inputs`: True, or the refusal. None (an input linked, or missing) counts as default."""
+    try:
+        tiling_from_inputs(
+            _DEFAULT.mode if tiled is None else tiled,
+            _DEFAULT.tile_size if tile_size is None else tile_size,
+            _DEFAULT.overlap if tile_overlap is None else tile_overlap,
+        )
+    except WanVACEInputError as error:
+        return str(error)
+    return True
+
+
+def free_device_bytes(model) -> int:
+    """What ComfyUI reports free on the model's device (for a GPU also the memory torch caches but does not use)."""
+    return int(comfy.model_management.get_free_memory(model.device))
