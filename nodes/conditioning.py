@@ -20,7 +20,10 @@ from ..wanvace_core.conditioning import (
     TextEmbeddings,
     validate_vace_window,
 )
+from ..wanvace_core.tiling import VAETiling, untiled_peak_bytes
 from ..wanvace_core.validation import nan_refusing_min
+from .memory import set_working_memory
+from .tiling import free_device_bytes, tiling_from_inputs, tiling_inputs, validate_tiling_inputs
 from .types import CATEGORY, WanVACEConditioningType, WanVACEModelType
 
 logger = logging.getLogger(__name__)
@@ -167,6 +170,7 @@ class WanVACEConditioning(io.ComfyNode):
                     tooltip="The negative prompt encoded by ComfyUI's own text encoder (CLIPLoader with umt5_xxl, type "
                     "wan, then CLIPTextEncode), used instead of the negative text.",
                 ),
+                *tiling_inputs(),  # for the VAE encode of control_video (and masks)
             ],
             outputs=[WanVACEConditioningType.Output(display_name="conditioning", tooltip="Encoded VACE conditioning.")],
         )
@@ -181,6 +185,9 @@ class WanVACEConditioning(io.ComfyNode):
         positive_conditioning=_NOT_CONNECTED,
         vace_start_percent: float | None = None,
         vace_end_percent: float | None = None,
+        tiled: str | None = None,
+        tile_size: int | None = None,
+        tile_overlap: int | None = None,
     ) -> bool | str:
         # ComfyUI lists a refusal under every argument of validate_inputs it passed, so each message names the
         # input it is about (an unconnected positive_conditioning is not passed, so an empty text is refused under
@@ -199,7 +206,7 @@ class WanVACEConditioning(io.ComfyNode):
                 )
         except WanVACEInputError as error:
             return str(error)
-        return True
+        return validate_tiling_inputs(tiled, tile_size, tile_overlap)
 
     @classmethod
     def execute(
@@ -218,7 +225,11 @@ class WanVACEConditioning(io.ComfyNode):
         negative_conditioning=None,
         vace_start_percent: float = 0.0,
         vace_end_percent: float = 1.0,
+        tiled: str = VAETiling.mode,
+        tile_size: int = VAETiling.tile_size,
+        tile_overlap: int = VAETiling.overlap,
     ) -> io.NodeOutput:
+        tiling = tiling_from_inputs(tiled, tile_size, tile_overlap)
         inputs = VACEInputs(
             positive=positive,
             negative=negative,
@@ -234,4 +245,9 @@ class WanVACEConditioning(io.ComfyNode):
             vace_start_percent=vace_start_percent,
             vace_end_percent=vace_end_percent,
         )
-        return io.NodeOutput(prepare_conditioning(model, inputs))
+        # ComfyUI makes room for the encode when the VAE's weights move to the device; what is free after that
+        # decides "auto".
+        set_working_memory(model, untiled_peak_bytes(model, length, height, width, encode=True))
+        model.activate("vae")
+        free_bytes = free_device_bytes(model) if tiling.mode == "auto" else None
+        return io.NodeOutput(prepare_conditioning(model, inputs, tiling, free_bytes))

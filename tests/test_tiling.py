@@ -117,6 +117,29 @@ def test_tiled_encode_is_close_to_untiled(model):
     assert psnr(untiled, tiled, peak) >= ENCODE_MIN_PSNR
 
 
+@pytest.mark.slow
+def test_prepare_conditioning_tiles_the_control_video_encode(model):
+    from tests.vace_tasks import NEGATIVE, PROMPT
+    from wanvace_core import VACEInputs, prepare_conditioning
+
+    frames = 1 + 4 * (LATENT_FRAMES - 1)
+    coarse = torch.rand(frames, 8, 8, 3, generator=torch.Generator().manual_seed(2))
+    control = torch.nn.functional.interpolate(coarse.permute(3, 0, 1, 2)[None], size=(frames, SIZE, SIZE))
+    inputs = VACEInputs(PROMPT, NEGATIVE, SIZE, SIZE, frames, control_video=control[0].permute(1, 2, 3, 0))
+
+    def conditioning_latents(tiling):
+        with counting(model.vae.encoder) as calls:
+            cond = prepare_conditioning(model, inputs, tiling)
+        return cond.conditioning_latents, len(calls)
+
+    untiled, untiled_calls = conditioning_latents(None)
+    assert torch.equal(conditioning_latents(VAETiling(mode="off"))[0], untiled)
+    tiled, tiled_calls = conditioning_latents(TILES)
+    assert tiled_calls == TILE_COUNT * untiled_calls
+    peak = float(untiled.max() - untiled.min())
+    assert psnr(untiled.float(), tiled.float(), peak) >= ENCODE_MIN_PSNR
+
+
 def test_off_and_none_are_bitwise_todays_decode(model, latents, untiled_frames):
     expected = reference_decode(model, latents)
     assert torch.equal(untiled_frames, expected)  # tiling None

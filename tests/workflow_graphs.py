@@ -89,6 +89,8 @@ LORA_FILES = {
     ),
     STYLE_LORA_VARIANT: (LoraUse("LoRA: your style", "wan_style_lora.safetensors", 0.8, 0.8),),
 }
+# The VAE passes tile only when the untiled peak would not fit the free device memory.
+VAE_TILING = {"tiled": "auto", "tile_size": 256, "tile_overlap": 64}
 # What the Lightning LoRAs are distilled for: 4 steps without guidance (cfg 1 skips the negative pass), shift 5.
 LIGHTNING_SAMPLING = {"steps": 4, "cfg": 1.0, "cfg_low_noise": 1.0, "shift": 5.0, "scheduler": "euler"}
 
@@ -433,6 +435,9 @@ def _build(name: str) -> _Graph:
         height=HEIGHT,
         length=LENGTH,
         strength=1.0,
+        vace_start_percent=0.0,
+        vace_end_percent=1.0,
+        **VAE_TILING,
         **optional,
         at=("prompt", 0),
     )
@@ -482,7 +487,7 @@ def _build(name: str) -> _Graph:
         **cache,
         at=("sampling", 0),
     )
-    frames = graph.add("WanVACEDecode", model=_out(loader), samples=_out(sampler), at=("sampling", 0))
+    frames = graph.add("WanVACEDecode", model=_out(loader), samples=_out(sampler), **VAE_TILING, at=("sampling", 0))
     video = graph.add("CreateVideo", images=_out(frames), fps=16.0, at=("output", 0))
     graph.add(
         "SaveVideo",

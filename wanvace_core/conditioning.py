@@ -19,6 +19,7 @@ import torch
 
 from .errors import WanVACEInputError
 from .model import WanVACEModel
+from .tiling import VAETiling, vae_tiling
 from .validation import validate_finite, validate_integer
 
 _PAD_GREY = 0.5
@@ -314,8 +315,13 @@ def _prompt_embeds(model: WanVACEModel, text: str, embeds: TextEmbeddings | None
 
 
 @torch.no_grad()
-def prepare_conditioning(model: WanVACEModel, inputs: VACEInputs) -> VACEConditioning:
-    """Encodes prompts and VACE inputs exactly as diffusers' WanVACEPipeline does."""
+def prepare_conditioning(
+    model: WanVACEModel, inputs: VACEInputs, tiling: VAETiling | None = None, free_bytes: int | None = None
+) -> VACEConditioning:
+    """Encodes prompts and VACE inputs exactly as diffusers' WanVACEPipeline does.
+
+    `tiling` (None: the VAE as it is) tiles the control-video encode; `auto` decides from `free_bytes`.
+    """
     text_dim = model.reference_expert.config.text_dim
     validate_vace_inputs(inputs, model.spatial_multiple, model.temporal_stride, text_dim, model.max_sequence_length)
     pipeline = model.helper
@@ -331,7 +337,9 @@ def prepare_conditioning(model: WanVACEModel, inputs: VACEInputs) -> VACEConditi
         references = _reference_canvases(model, inputs.reference_images, inputs.height, inputs.width)
 
     model.activate("vae")
-    latents = pipeline.prepare_video_latents(video, mask, [references], None, model.device)
+    # Reference images are encoded in the same call; one frame each, they fit one tile and run untiled anyway.
+    with vae_tiling(model, tiling, inputs.length, inputs.height, inputs.width, free_bytes, encode=True):
+        latents = pipeline.prepare_video_latents(video, mask, [references], None, model.device)
     packed_mask = pipeline.prepare_masks(mask, [references], None)
     conditioning_latents = torch.cat([latents, packed_mask], dim=1).to(model.transformer_dtype)
     scale = torch.tensor([float(inputs.strength)] * len(model.vace_layers))
