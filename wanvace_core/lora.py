@@ -617,25 +617,27 @@ def _refuse_merge(model, planned) -> None:
 @contextlib.contextmanager
 def _merged(model, planned) -> Iterator[None]:
     """Adds the merge patches' deltas into the weights in place; copies the originals back on exit."""
-    totals: dict[tuple[int, str], tuple[torch.nn.Module, str, list[torch.Tensor]]] = {}
+    totals: dict[tuple[int, str], tuple[torch.nn.Module, str, list[tuple[_Change, float]]]] = {}
     for attribute, patch, strength, changes in planned:
         if not patch.merge:
             continue
         model.activate(attribute)  # weights an unload dropped are read back before they are merged into
         for change in changes:
             slot = totals.setdefault((id(change.module), change.attr), (change.module, change.attr, []))
-            slot[2].append(_delta(change, strength))
+            slot[2].append((change, strength))
     saved: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
     try:
         with torch.no_grad():
-            for module, attr, deltas in totals.values():
+            for module, attr, terms in totals.values():
                 param = module._parameters[attr]
                 original = param.data.to("cpu", copy=True)
                 saved.append((param, original))
                 merged = param.data.float()
-                for delta in deltas:
-                    merged = merged + delta.to(merged.device)
+                # One weight-sized fp32 delta at a time: all of a 14B expert's at once would not fit anywhere.
+                for change, strength in terms:
+                    merged = merged + _delta(change, strength).to(merged.device)
                 param.data.copy_(merged.to(param.dtype))
+                del merged
         yield
     finally:
         with torch.no_grad():
