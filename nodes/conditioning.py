@@ -20,7 +20,7 @@ from ..wanvace_core.conditioning import (
     TextEmbeddings,
     validate_vace_window,
 )
-from ..wanvace_core.tiling import VAETiling, untiled_peak_bytes
+from ..wanvace_core.tiling import VAETiling, requested_peak_bytes
 from ..wanvace_core.validation import nan_refusing_min
 from .memory import set_working_memory
 from .tiling import free_device_bytes, tiling_from_inputs, tiling_inputs, validate_tiling_inputs
@@ -247,7 +247,7 @@ class WanVACEConditioning(io.ComfyNode):
         )
         # ComfyUI makes room for the encode when the VAE's weights move to the device; what is free after that
         # decides "auto".
-        set_working_memory(model, untiled_peak_bytes(model, length, height, width, encode=True))
+        set_working_memory(model, requested_peak_bytes(model, tiling, length, height, width, encode=True))
         model.activate("vae")
         free_bytes = free_device_bytes(model) if tiling.mode == "auto" else None
         return io.NodeOutput(prepare_conditioning(model, inputs, tiling, free_bytes))

@@ -5,19 +5,10 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from ..wanvace_core import decode
-from ..wanvace_core.tiling import VAETiling, tiled_peak_bytes, untiled_peak_bytes
+from ..wanvace_core.tiling import VAETiling, requested_peak_bytes
 from .memory import set_working_memory
 from .tiling import free_device_bytes, tiling_from_inputs, tiling_inputs, validate_tiling_inputs
 from .types import CATEGORY, WanVACEModelType
-
-
-def _decode_bytes(model, tiling: VAETiling, latents) -> int:
-    """The decode's estimated peak in the mode asked for ("auto" asks room for the untiled decode)."""
-    stride = model.helper.vae_scale_factor_spatial
-    frames, height, width = latents.shape[2], latents.shape[3] * stride, latents.shape[4] * stride
-    if tiling.mode == "on":
-        return tiled_peak_bytes(model, tiling, frames, height, width, encode=False)
-    return untiled_peak_bytes(model, frames, height, width, encode=False)
 
 
 class WanVACEDecode(io.ComfyNode):
@@ -57,7 +48,9 @@ class WanVACEDecode(io.ComfyNode):
         if latents.ndim == 5:  # decode refuses anything else, naming the input
             # ComfyUI makes room for this when the VAE's weights move to the device; what is free after that
             # decides "auto".
-            set_working_memory(model, _decode_bytes(model, tiling, latents))
+            stride = model.helper.vae_scale_factor_spatial
+            frames, height, width = latents.shape[2], latents.shape[3] * stride, latents.shape[4] * stride
+            set_working_memory(model, requested_peak_bytes(model, tiling, frames, height, width, encode=False))
             model.activate("vae")
             free_bytes = free_device_bytes(model) if tiling.mode == "auto" else None
         return io.NodeOutput(decode(model, latents, tiling, free_bytes))

@@ -243,6 +243,24 @@ def test_weights_are_bitwise_unchanged_after_runs_and_a_cancelled_run(base, cond
     assert torch.equal(sample(base, cond, SETTINGS).latents, plain)
 
 
+def test_a_merged_lora_survives_comfyui_unloading_the_model_mid_run(tiny_folder, cond, lora_path):
+    """An unload between steps drops the merged weights; those read back at the next step are merged again."""
+    model = load_pipeline(tiny_folder, "fp32")
+    patch = LoraPatch(lora_path, 1.0, 0.6, merge=True)
+    uninterrupted = run(model, cond, [patch]).latents
+    released = []
+
+    def unload_after_first_step(index, _total, _latents):
+        if index == 0:
+            released.append(model.release_device_memory())
+
+    interrupted = run(model, cond, [patch], callback=unload_after_first_step).latents
+    assert released and released[0] > 0
+    _close(interrupted, uninterrupted)
+    plain = sample(model, cond, SETTINGS).latents
+    assert (plain - uninterrupted).abs().max() > 100 * (interrupted - uninterrupted).abs().max()
+
+
 @pytest.mark.slow
 def test_lora_with_cache(base, cond, lora_path):
     settings = SamplerSettings(seed=5, steps=6, cfg=3.0, cfg_low_noise=1.0)

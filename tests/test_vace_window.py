@@ -112,6 +112,20 @@ def test_the_window_holds_with_caching_and_with_layerwise_offload(model, tiny_fo
     assert torch.equal(sample(streamed, dataclasses.replace(cond), SETTINGS).latents, reference)
 
 
+def test_layerwise_offload_streams_no_vace_block_outside_the_window(tiny_folder):
+    streamed = load_pipeline(tiny_folder, "fp32")
+    attach_offload(streamed, OffloadOptions(mode="layerwise", prefetch_blocks=1), SynchronousTransfer())
+    onloads = []
+    streamed.residency.observers.append(lambda event: onloads.append(event.unit) if event.kind == "onload" else None)
+    vace_blocks = len(streamed.transformer.vace_blocks)
+    for start, end, steps_inside in ((0.0, 0.0, 0), (0.25, 0.75, 4), (0.0, 1.0, STEPS)):
+        onloads.clear()
+        sample(streamed, _cond(streamed, vace_start_percent=start, vace_end_percent=end), SETTINGS)
+        streamed_vace = [unit for unit in onloads if ".vace_blocks." in unit]
+        # Each step inside the window streams every VACE block once per call (cond and uncond).
+        assert len(streamed_vace) == steps_inside * 2 * vace_blocks, (start, end)
+
+
 @pytest.mark.parametrize(
     ("start", "end", "message"),
     [

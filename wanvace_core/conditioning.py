@@ -337,7 +337,7 @@ def prepare_conditioning(
         references = _reference_canvases(model, inputs.reference_images, inputs.height, inputs.width)
 
     model.activate("vae")
-    # Reference images are encoded in the same call; one frame each, they fit one tile and run untiled anyway.
+    # Reference images are encoded in the same call, so they are tiled too when their frames exceed a tile.
     with vae_tiling(model, tiling, inputs.length, inputs.height, inputs.width, free_bytes, encode=True):
         latents = pipeline.prepare_video_latents(video, mask, [references], None, model.device)
     packed_mask = pipeline.prepare_masks(mask, [references], None)

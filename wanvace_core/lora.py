@@ -21,7 +21,8 @@ Linear layers (also `QuantizedLinear`, whose weights stay fp8/GGUF) get a forwar
 parameter diffs get the patched parameter bound just before they run, computed from the tensor bound
 at that moment (so offload's streamed copies are patched too), and the original bound back after.
 `merge=True` instead adds the deltas into the weights in place (plain float weights on the device
-only) and copies the originals back at the end.
+only) and copies the originals back at the end. Under offload the on-the-fly terms stay in host memory
+with the weights and are copied to the device per use.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import logging
 import math
 import re
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -459,6 +461,8 @@ def check_lora(model, patch: LoraPatch) -> None:
     _refuse_remote(model)
     weights = load_lora(patch.path)
     _changes(weights, model.reference_expert)
+    if patch.merge:
+        _refuse_merge(model, _expert_changes(model, [patch]))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -488,6 +492,7 @@ class _OutputTerms:
         self._cast: dict[tuple, torch.Tensor] = {}
 
     def add(self, change: _Change, strength: float, device, dtype) -> None:
+        """`device`: where the terms live for the run (the host under offload: copied per use, never kept)."""
         entry = change.entry
 
         def prepared(tensor):
@@ -509,9 +514,12 @@ class _OutputTerms:
     def _like(self, tensor: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         if tensor.dtype == x.dtype and tensor.device == x.device:
             return tensor
-        key = (id(tensor), x.dtype, x.device)
+        if tensor.device != x.device:
+            # Offloaded run: the terms stay in host memory, like the weights, and visit the device per use.
+            return tensor.to(device=x.device, dtype=x.dtype)
+        key = (id(tensor), x.dtype)
         if key not in self._cast:
-            self._cast[key] = tensor.to(device=x.device, dtype=x.dtype)
+            self._cast[key] = tensor.to(dtype=x.dtype)
         return self._cast[key]
 
     def __call__(self, _module, args, output):
@@ -561,6 +569,15 @@ class _BoundParameters:
             if param.data_ptr() == patched.data_ptr():
                 param.data = original
         self.bound.clear()
+
+
+def _compute_dtype(linear: torch.nn.Module, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a Linear computes in: its own for float weights (fp32-kept layers stay fp32), else the model's."""
+    from .quantized import QuantizedLinear
+
+    if isinstance(linear, QuantizedLinear) or linear.weight.dtype not in _FLOAT_DTYPES:
+        return model_dtype
+    return linear.weight.dtype
 
 
 def _offload_mode(model) -> str:
@@ -614,36 +631,77 @@ def _refuse_merge(model, planned) -> None:
                 )
 
 
+class _MergedWeight:
+    """One weight a merge patch changes: its deltas, and the original it restores (a host copy)."""
+
+    def __init__(self, module: torch.nn.Module, attr: str) -> None:
+        self.module = module
+        self.attr = attr
+        self.terms: list[tuple[_Change, float]] = []
+        self.merged_into = None  # a weak reference: an unload must be able to free the merged parameter
+        self.original: torch.Tensor | None = None
+
+    def merge(self) -> None:
+        """Merges into the parameter bound now, unless it is the one merged already."""
+        param = self.module._parameters[self.attr]
+        if param.is_meta or (self.merged_into is not None and self.merged_into() is param):
+            return
+        # A new parameter object is one an unload dropped and a refill read back from the file: unmerged.
+        self.original = param.data.to("cpu", copy=True)
+        merged = param.data.float()
+        # One weight-sized fp32 delta at a time: all of a 14B expert's at once would not fit anywhere.
+        for change, strength in self.terms:
+            merged = merged + _delta(change, strength).to(merged.device)
+        param.data.copy_(merged.to(param.dtype))
+        self.merged_into = weakref.ref(param)
+
+    def restore(self) -> None:
+        param = self.module._parameters[self.attr]
+        if self.merged_into is not None and self.merged_into() is param and not param.is_meta:
+            param.data.copy_(self.original)
+        self.merged_into = None
+        self.original = None
+
+
 @contextlib.contextmanager
 def _merged(model, planned) -> Iterator[None]:
-    """Adds the merge patches' deltas into the weights in place; copies the originals back on exit."""
-    totals: dict[tuple[int, str], tuple[torch.nn.Module, str, list[tuple[_Change, float]]]] = {}
+    """Adds the merge patches' deltas into the weights in place; copies the originals back on exit.
+
+    ComfyUI may unload the model between steps (memory pressure, a TAESD preview loading its decoder):
+    the weights are then dropped and read back, unmerged, at the next forward, so a pre-hook on each expert,
+    after the residency's own, merges into whatever was read back.
+    """
+    weights: dict[tuple[int, str], _MergedWeight] = {}
+    experts: dict[str, list[_MergedWeight]] = {}
     for attribute, patch, strength, changes in planned:
         if not patch.merge:
             continue
-        model.activate(attribute)  # weights an unload dropped are read back before they are merged into
         for change in changes:
-            slot = totals.setdefault((id(change.module), change.attr), (change.module, change.attr, []))
-            slot[2].append((change, strength))
-    saved: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
-    try:
+            key = (id(change.module), change.attr)
+            if key not in weights:
+                weights[key] = _MergedWeight(change.module, change.attr)
+                experts.setdefault(attribute, []).append(weights[key])
+            weights[key].terms.append((change, strength))
+    handles = []
+
+    def merge_all(entries):
         with torch.no_grad():
-            for module, attr, terms in totals.values():
-                param = module._parameters[attr]
-                original = param.data.to("cpu", copy=True)
-                saved.append((param, original))
-                merged = param.data.float()
-                # One weight-sized fp32 delta at a time: all of a 14B expert's at once would not fit anywhere.
-                for change, strength in terms:
-                    merged = merged + _delta(change, strength).to(merged.device)
-                param.data.copy_(merged.to(param.dtype))
-                del merged
+            for entry in entries:
+                entry.merge()
+
+    try:
+        for attribute, entries in experts.items():
+            model.activate(attribute)  # weights an unload dropped are read back before they are merged into
+            merge_all(entries)
+            expert = getattr(model, attribute)
+            handles.append(expert.register_forward_pre_hook(lambda *_args, _entries=entries: merge_all(_entries)))
         yield
     finally:
+        for handle in handles:
+            handle.remove()
         with torch.no_grad():
-            for param, original in saved:
-                if not param.is_meta:  # an unload during the run dropped it: it is read back unmerged
-                    param.data.copy_(original)
+            for entry in weights.values():
+                entry.restore()
 
 
 @contextlib.contextmanager
@@ -660,7 +718,8 @@ def applied_loras(model, patches: Sequence[LoraPatch]) -> Iterator[None]:
     _refuse_remote(model)
     planned = _expert_changes(model, patches)
     _refuse_merge(model, planned)
-    device, dtype = model.device, model.dtype
+    # Under offload the weights live in host memory between uses; so do the LoRA terms (copied in per use).
+    device = model.device if _offload_mode(model) == "none" else torch.device("cpu")
     handles = []
     binders: list[_BoundParameters] = []
     try:
@@ -674,7 +733,7 @@ def applied_loras(model, patches: Sequence[LoraPatch]) -> Iterator[None]:
                 for change in changes:
                     if _is_linear(change.module) and change.attr in ("weight", "bias"):
                         terms = outputs.setdefault(id(change.module), (change.module, _OutputTerms()))[1]
-                        terms.add(change, strength, device, dtype)
+                        terms.add(change, strength, device, _compute_dtype(change.module, model.dtype))
                     else:
                         if id(change.module) not in bound:
                             bound[id(change.module)] = _BoundParameters(change.module)

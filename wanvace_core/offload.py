@@ -251,6 +251,13 @@ class OnDevice(Residency):
         self._hooks = []
 
 
+def _control_input(args: tuple, kwargs: dict):
+    """A WanVACE transformer call's `control_hidden_states` (its fifth positional parameter)."""
+    if "control_hidden_states" in kwargs:
+        return kwargs["control_hidden_states"]
+    return args[4] if len(args) > 4 else None
+
+
 class _BlockStreamer:
     """Streams one expert's blocks in execution order with a fixed prefetch window."""
 
@@ -262,7 +269,7 @@ class _BlockStreamer:
         self.units = {name: Unit.of_module(f"{expert_name}.{name}", expert.get_submodule(name)) for name in self.order}
         self.pending: dict[str, object] = {}  # name -> transfer handle, copy in flight
         self.bound: dict[str, object] = {}  # name -> transfer handle, parameters point at device copies
-        self.handles = [expert.register_forward_pre_hook(self._forward_start)]
+        self.handles = [expert.register_forward_pre_hook(self._forward_start, with_kwargs=True)]
         self.handles.append(expert.register_forward_hook(self._forward_end))
         for name in self.order:
             block = expert.get_submodule(name)
@@ -283,10 +290,12 @@ class _BlockStreamer:
         start = self.position[name]
         return self.order[start + 1 : start + 1 + self.owner.prefetch_blocks]
 
-    def _forward_start(self, *_args) -> None:
+    def _forward_start(self, _module, args, kwargs) -> None:
         self._forward_end()  # a forward that raised may have left blocks behind
         # Under Cache-DiT the VACE functor's forward runs every VACE block first: stream in that order then.
         self.order = current_execution_order(self.expert)
+        if _control_input(args, kwargs) is None:  # a step outside the VACE window: the VACE blocks do not run
+            self.order = [name for name in self.order if not name.startswith("vace_blocks.")]
         self.position = {name: index for index, name in enumerate(self.order)}
         self._prefetch(self.order[: self.owner.prefetch_blocks])
 

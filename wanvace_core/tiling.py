@@ -133,6 +133,14 @@ def _should_tile(model, tiling: VAETiling, frames, height, width, free_bytes, en
     return True
 
 
+def requested_peak_bytes(model, tiling: VAETiling | None, frames: int, height: int, width: int, *, encode: bool) -> int:
+    """The VAE pass's peak to ask the device for: the tiled one when tiling is on, else the untiled one
+    ("auto" asks room for the untiled pass and tiles only if, after that, it still does not fit)."""
+    if tiling is not None and tiling.mode == "on":
+        return tiled_peak_bytes(model, tiling, frames, height, width, encode=encode)
+    return untiled_peak_bytes(model, frames, height, width, encode=encode)
+
+
 @contextmanager
 def vae_tiling(
     model, tiling: VAETiling | None, frames: int, height: int, width: int, free_bytes: int | None, *, encode: bool
