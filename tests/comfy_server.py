@@ -39,6 +39,20 @@ def _default_comfy_dir() -> Path:
 DEFAULT_COMFY_DIR = _default_comfy_dir()
 # Why the ComfyUI server tests of this set do not run (no ComfyUI tree found), or "".
 COMFY_SKIPPED = os.environ.get("WANVACE_COMFY_SKIPPED", "")
+
+
+def require_comfyui(marker: str = "main.py") -> Path:
+    """This set's ComfyUI tree for a test that needs it: skips the test where the set has none (the skip names
+    the reason), fails it where the tree should be but `marker` is missing."""
+    import pytest
+
+    if COMFY_SKIPPED:
+        pytest.skip(f"SKIPPED: no ComfyUI for this dependency set ({COMFY_SKIPPED}); set COMFYUI_DIR")
+    if not (DEFAULT_COMFY_DIR / marker).is_file():
+        pytest.fail(f"ComfyUI is not installed at {DEFAULT_COMFY_DIR}; run `bash scripts/setup.sh`", pytrace=False)
+    return DEFAULT_COMFY_DIR
+
+
 DEFAULT_PYTHON = Path(sys.executable)
 BROWSER_DIR = REPO_ROOT / "tests" / "browser"
 PACKAGE_DIR_NAME = "ComfyUI-WanVACE"

@@ -21,6 +21,7 @@ from diffusers.utils.torch_utils import randn_tensor
 from .caching import CachedExperts, CacheOptions, CacheReport, ExpertRun
 from .conditioning import VACEConditioning
 from .errors import WanVACEInputError
+from .lora import applied_loras
 from .model import WanVACEModel
 from .validation import validate_finite, validate_integer
 
@@ -255,8 +256,6 @@ def sample(
     with contextlib.ExitStack() as run:
         run.enter_context(_released_on_error(model))
         if model.loras:
-            from .lora import applied_loras
-
             run.enter_context(applied_loras(model, model.loras))
         if cached is not None:
             run.enter_context(cached)

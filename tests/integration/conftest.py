@@ -18,7 +18,7 @@ for _p in (str(_TESTS_DIR), str(_REPO_ROOT)):
         sys.path.insert(0, _p)
 
 from comfy_models import write_lora_files, write_single_files  # noqa: E402
-from comfy_server import COMFY_SKIPPED, DEFAULT_COMFY_DIR, ComfyServer, write_example_inputs  # noqa: E402
+from comfy_server import ComfyServer, require_comfyui, write_example_inputs  # noqa: E402
 
 TINY_TWO_EXPERTS = "wanvace-tiny"
 TINY_SINGLE_EXPERT = "wanvace21-tiny"
@@ -58,13 +58,7 @@ def comfy_base(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def comfy_server(comfy_base):
-    if COMFY_SKIPPED:
-        pytest.skip(f"SKIPPED: no ComfyUI for this dependency set ({COMFY_SKIPPED}); set COMFYUI_DIR")
-    if not (DEFAULT_COMFY_DIR / "main.py").is_file():
-        pytest.fail(
-            f"ComfyUI is not installed at {DEFAULT_COMFY_DIR}; run `bash scripts/setup.sh`",
-            pytrace=False,
-        )
+    require_comfyui()
     server = ComfyServer(comfy_base)
     server.start(timeout=180)
     try:

@@ -76,13 +76,9 @@ def _finish_group(started: tuple[subprocess.Popen, Path]) -> dict:
 @pytest.fixture(scope="module")
 def comfy_dir() -> Path:
     """This set's ComfyUI tree (tests/comfy_server.py finds it), or the set's skip."""
-    from comfy_server import COMFY_SKIPPED, DEFAULT_COMFY_DIR
+    from comfy_server import require_comfyui
 
-    if COMFY_SKIPPED:
-        pytest.skip(f"SKIPPED: no ComfyUI for this dependency set ({COMFY_SKIPPED}); set COMFYUI_DIR")
-    if not (DEFAULT_COMFY_DIR / "comfy" / "sd.py").is_file():
-        pytest.fail(f"ComfyUI is not installed at {DEFAULT_COMFY_DIR}; run `bash scripts/setup.sh`", pytrace=False)
-    return DEFAULT_COMFY_DIR
+    return require_comfyui("comfy/sd.py")
 
 
 @pytest.fixture(scope="module")

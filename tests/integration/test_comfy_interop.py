@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from comfy_server import COMFY_SKIPPED, DEFAULT_COMFY_DIR, ComfyServer
+from comfy_server import ComfyServer, require_comfyui
 from safetensors.torch import load_file
 
 from tests.metrics import psnr
@@ -54,10 +54,7 @@ def _write_dataset(base, name: str, conditioning: list) -> None:
 
 @pytest.fixture(scope="module")
 def interop_server(tmp_path_factory):
-    if COMFY_SKIPPED:
-        pytest.skip(f"SKIPPED: no ComfyUI for this dependency set ({COMFY_SKIPPED}); set COMFYUI_DIR")
-    if not (DEFAULT_COMFY_DIR / "main.py").is_file():
-        pytest.fail(f"ComfyUI is not installed at {DEFAULT_COMFY_DIR}; run `bash scripts/setup.sh`", pytrace=False)
+    require_comfyui()
     base = tmp_path_factory.mktemp("comfy_interop")
     server = ComfyServer(base)
     server.prepare()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from workflow_graphs import LIGHTNING_SAMPLING, LIGHTNING_VARIANT, for_tiny_model, nodes_of_type
+from workflow_graphs import LIGHTNING_SAMPLING, LIGHTNING_VARIANT, for_tiny_model, node_id_of, nodes_of_type
 
 pytestmark = pytest.mark.integration
 
@@ -20,11 +20,6 @@ LIGHTNING = "t2v" + LIGHTNING_VARIANT
 
 def _lightning() -> dict:
     return for_tiny_model(json.loads((API_DIR / f"wanvace_{LIGHTNING}.json").read_text()))
-
-
-def _node_id(workflow: dict, class_type: str) -> str:
-    (node_id,) = [key for key, node in workflow.items() if node["class_type"] == class_type]
-    return node_id
 
 
 def _save_latent(workflow: dict, node_id: str, sampler: str, prefix: str) -> None:
@@ -47,11 +42,20 @@ def _loader_ids(workflow: dict) -> list[str]:
     return [key for key, node in workflow.items() if node["class_type"] == "WanVACELoraLoader"]
 
 
+def _without_loras(workflow: dict) -> dict:
+    """A copy of `workflow` whose sampler takes the loader's model directly, every LoRA loader removed."""
+    plain = copy.deepcopy(workflow)
+    plain[node_id_of(plain, "WanVACESampler")]["inputs"]["model"] = [node_id_of(plain, "WanVACEModelLoader"), 0]
+    for loader in _loader_ids(plain):
+        del plain[loader]
+    return plain
+
+
 @pytest.mark.slow
 def test_a_branch_without_the_lora_samples_the_plain_model_in_the_same_prompt(comfy_server):
     workflow = _lightning()
-    sampler = _node_id(workflow, "WanVACESampler")
-    base_loader = _node_id(workflow, "WanVACEModelLoader")
+    sampler = node_id_of(workflow, "WanVACESampler")
+    base_loader = node_id_of(workflow, "WanVACEModelLoader")
     assert workflow[sampler]["inputs"]["model"][0] in _loader_ids(workflow)
     # A second sampler on the loader's own output, run after the LoRA branch in the same prompt.
     workflow["800"] = copy.deepcopy(workflow[sampler])
@@ -63,12 +67,8 @@ def test_a_branch_without_the_lora_samples_the_plain_model_in_the_same_prompt(co
     latents = _latents(result)
 
     # The same sampling without any LoRA loader in the graph.
-    plain = _lightning()
-    plain_sampler = _node_id(plain, "WanVACESampler")
-    plain[plain_sampler]["inputs"]["model"] = [_node_id(plain, "WanVACEModelLoader"), 0]
-    for loader in _loader_ids(plain):
-        del plain[loader]
-    _save_latent(plain, "801", plain_sampler, "alone")
+    plain = _without_loras(_lightning())
+    _save_latent(plain, "801", node_id_of(plain, "WanVACESampler"), "alone")
     alone = comfy_server.run_prompt(plain, timeout=600)
     assert alone.status == "success", alone.error
     assert torch.equal(latents["plain"], _latents(alone)["alone"])
@@ -81,15 +81,12 @@ def test_strength_zero_on_both_experts_equals_no_lora(comfy_server):
     workflow = _lightning()
     for loader in _loader_ids(workflow):
         workflow[loader]["inputs"].update(strength_high_noise=0.0, strength_low_noise=0.0)
-    sampler = _node_id(workflow, "WanVACESampler")
+    sampler = node_id_of(workflow, "WanVACESampler")
     _save_latent(workflow, "801", sampler, "zero")
     zero = comfy_server.run_prompt(workflow, timeout=600)
     assert zero.status == "success", zero.error
 
-    plain = copy.deepcopy(workflow)
-    plain[sampler]["inputs"]["model"] = [_node_id(plain, "WanVACEModelLoader"), 0]
-    for loader in _loader_ids(plain):
-        del plain[loader]
+    plain = _without_loras(workflow)
     _save_latent(plain, "801", sampler, "none")
     none = comfy_server.run_prompt(plain, timeout=600)
     assert none.status == "success", none.error

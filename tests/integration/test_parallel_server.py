@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from comfy_server import COMFY_SKIPPED, DEFAULT_COMFY_DIR, ComfyServer
+from comfy_server import ComfyServer, require_comfyui
 from safetensors.torch import load_file
 from workflow_graphs import TINY_MODEL, for_tiny_model
 
@@ -164,10 +164,7 @@ def _wait_gone(pids, within_s: float = 30.0) -> list[int]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    if COMFY_SKIPPED:
-        pytest.skip(f"SKIPPED: no ComfyUI for this dependency set ({COMFY_SKIPPED}); set COMFYUI_DIR")
-    if not (DEFAULT_COMFY_DIR / "main.py").is_file():
-        pytest.fail(f"ComfyUI is not installed at {DEFAULT_COMFY_DIR}; run `bash scripts/setup.sh`", pytrace=False)
+    require_comfyui()
     base = tmp_path_factory.mktemp("comfy_parallel")
     server = ComfyServer(base)
     server.prepare()

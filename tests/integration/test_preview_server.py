@@ -13,9 +13,9 @@ import struct
 from dataclasses import dataclass
 
 import pytest
-from comfy_server import COMFY_SKIPPED, DEFAULT_COMFY_DIR, ComfyServer
+from comfy_server import ComfyServer, require_comfyui
 from PIL import Image
-from workflow_graphs import TINY_MODEL, build_api_workflow, for_tiny_model, nodes_of_type
+from workflow_graphs import TINY_MODEL, build_api_workflow, for_tiny_model, node_id_of, nodes_of_type
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -51,10 +51,7 @@ def _previews(messages: list[bytes]) -> list[Preview]:
 
 @pytest.fixture(scope="module")
 def preview_base(tmp_path_factory):
-    if COMFY_SKIPPED:
-        pytest.skip(f"SKIPPED: no ComfyUI for this dependency set ({COMFY_SKIPPED}); set COMFYUI_DIR")
-    if not (DEFAULT_COMFY_DIR / "main.py").is_file():
-        pytest.fail(f"ComfyUI is not installed at {DEFAULT_COMFY_DIR}; run `bash scripts/setup.sh`", pytrace=False)
+    require_comfyui()
     from wanvace_core.tiny import write_tiny_pipeline
 
     base = tmp_path_factory.mktemp("comfy_preview")
@@ -74,9 +71,8 @@ def preview_server(request, preview_base):
 def _workflow(seed: int) -> tuple[dict, str, int]:
     """The tiny t2v workflow with its own seed (an unchanged prompt would come from ComfyUI's cache)."""
     workflow = for_tiny_model(build_api_workflow("t2v"), seed=seed)
-    (sampler_id,) = [key for key, node in workflow.items() if node["class_type"] == "WanVACESampler"]
-    (sampler,) = nodes_of_type(workflow, "WanVACESampler")
-    return workflow, sampler_id, sampler["inputs"]["steps"]
+    sampler_id = node_id_of(workflow, "WanVACESampler")
+    return workflow, sampler_id, workflow[sampler_id]["inputs"]["steps"]
 
 
 @pytest.mark.parametrize("client", list(CLIENTS))

@@ -11,7 +11,7 @@ import requests
 import torch
 from comfy_server import count_video_frames
 from safetensors.torch import load_file
-from workflow_graphs import TINY_MODEL, WORKFLOWS, for_tiny_model, loader_class, nodes_of_type
+from workflow_graphs import TINY_MODEL, WORKFLOWS, for_tiny_model, loader_class, node_id_of, nodes_of_type
 
 pytestmark = pytest.mark.integration
 
@@ -23,15 +23,10 @@ def _api_twin(task: str) -> dict:
     return json.loads((API_DIR / f"wanvace_{task}.json").read_text())
 
 
-def _node_id(workflow: dict, class_type: str) -> str:
-    (node_id,) = [key for key, node in workflow.items() if node["class_type"] == class_type]
-    return node_id
-
-
 def _with_saved_latent(workflow: dict, prefix: str) -> dict:
     """Adds core SaveLatent after the sampler so runs can be compared bit for bit."""
     workflow = dict(workflow)
-    sampler = _node_id(workflow, "WanVACESampler")
+    sampler = node_id_of(workflow, "WanVACESampler")
     workflow["900"] = {
         "class_type": "SaveLatent",
         "inputs": {"samples": [sampler, 0], "filename_prefix": f"wanvace_test/{prefix}"},
@@ -65,7 +60,7 @@ def test_shipped_workflow_runs_and_writes_a_video(task, comfy_server):
     assert len(videos) == 1 and videos[0].stat().st_size > 0
     assert count_video_frames(videos[0]) == TINY_LENGTH
 
-    sampler = _node_id(workflow, "WanVACESampler")
+    sampler = node_id_of(workflow, "WanVACESampler")
     progress = [event for event in result.progress_events() if event.get("node") == sampler]
     values = [event["value"] for event in progress]
     # ComfyUI 0.33 drops progress messages under 100 ms apart, except the first and the last one
@@ -75,7 +70,7 @@ def test_shipped_workflow_runs_and_writes_a_video(task, comfy_server):
         assert values == list(range(1, TINY_STEPS + 1))
     assert all(event["max"] == TINY_STEPS for event in progress)
     for class_type in (loader_class(task), "WanVACEConditioning", "WanVACESampler", "WanVACEDecode"):
-        node_id = _node_id(workflow, class_type)
+        node_id = node_id_of(workflow, class_type)
         assert node_id in _started_nodes(result) or node_id in _cached_nodes(result)
 
 
@@ -130,7 +125,7 @@ def test_consecutive_prompts_all_succeed_with_identical_results(runs, comfy_serv
     for index, seed in enumerate(seeds):
         result = comfy_server.run_prompt(_t2v(seed, prefix=f"consecutive{runs}_{index}"))
         assert result.status == "success", (index, result.error)
-        sampler = _node_id(_t2v(seed, "x"), "WanVACESampler")
+        sampler = node_id_of(_t2v(seed, "x"), "WanVACESampler")
         assert sampler in _started_nodes(result), "the sampler was served from ComfyUI's cache"
         latents[seed].append(_saved_latent(result))
     for seed, tensors in latents.items():
@@ -142,7 +137,7 @@ def test_cancelled_prompt_then_next_prompt_gives_uncancelled_result(comfy_server
     long_run = {"steps": 120}
     cancelled = comfy_server.run_prompt(_t2v(21, "cancel_a", **long_run), interrupt_after_progress=2)
     assert cancelled.status == "interrupted"
-    sampler = _node_id(_t2v(21, "x"), "WanVACESampler")
+    sampler = node_id_of(_t2v(21, "x"), "WanVACESampler")
     steps_seen = [event["value"] for event in cancelled.progress_events() if event.get("node") == sampler]
     assert steps_seen and max(steps_seen) < 120
 
@@ -178,7 +173,7 @@ def test_bad_widget_inputs_are_refused_at_queue_time(class_type, values, fragmen
     workflow = _set_input(for_tiny_model(_api_twin("t2v")), class_type, **values)
     result = comfy_server.run_prompt(workflow)
     assert result.status == "rejected"
-    node_id = _node_id(workflow, class_type)
+    node_id = node_id_of(workflow, class_type)
     errors = result.node_errors[node_id]["errors"]
     assert any(fragment in json.dumps(error) for error in errors), errors
     _assert_serving(comfy_server)
@@ -219,7 +214,7 @@ def test_mismatched_control_inputs_fail_with_a_node_error(
     assert result.status == "error"
     assert result.error["node_type"] == "WanVACEConditioning"
     assert fragment in result.error["exception_message"]
-    sampler = _node_id(workflow, "WanVACESampler")
+    sampler = node_id_of(workflow, "WanVACESampler")
     assert sampler not in _started_nodes(result)
     _assert_serving(comfy_server)
 
