@@ -93,6 +93,7 @@ class ComfyMemoryBroker:
 
     def reserve(self, incoming_bytes: int) -> None:
         self.patcher.incoming_bytes = int(incoming_bytes)
+        _let_retired_patchers_go()
         try:
             model_management.load_models_gpu([self.patcher], memory_required=self.working_bytes)
         finally:
@@ -100,6 +101,21 @@ class ComfyMemoryBroker:
 
 
 _brokers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+# Patchers whose pipeline has died. A pipeline can die inside ComfyUI's own unload (our detach drops
+# the loader's hold on it); if its patcher died with it, the placeholder's death would run ComfyUI's
+# `cleanup_models`, which removes entries from the list of loaded models that `free_memory` is
+# walking at that moment (IndexError in ComfyUI's prompt worker, which then runs no more prompts).
+# So they are let go only from our own code, before we next call into model management.
+_retired: list[WanVACEPatcher] = []
+
+
+def _retire(patcher: WanVACEPatcher) -> None:
+    _retired.append(patcher)
+
+
+def _let_retired_patchers_go() -> None:
+    _retired.clear()
 
 
 def cooperate(model, device: torch.device) -> WanVACEPatcher:
@@ -113,6 +129,7 @@ def cooperate(model, device: torch.device) -> WanVACEPatcher:
     if broker is None:
         # The pipeline keeps its patcher alive (ComfyUI holds only weak references to it).
         broker = _brokers[model] = ComfyMemoryBroker(WanVACEPatcher(model, device))
+        weakref.finalize(model, _retire, broker.patcher)
     model.residency.broker = broker
     broker.reserve(0)  # registered now: weights already on the device (mode none) count from the start
     return broker.patcher
