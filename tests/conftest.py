@@ -10,6 +10,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from tests.distributed import threads_of_workers  # noqa: E402
 from wanvace_core import load_pipeline  # noqa: E402
 from wanvace_core.tiny import TinyModelSpec, write_tiny_pipeline  # noqa: E402
 
@@ -39,3 +40,10 @@ def loaded_models(tiny_folder):
         return cache[dtype]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def threads_like_two_workers():
+    """The module computes on as many threads as each of two CPU workers (see `threads_of_workers`)."""
+    with threads_of_workers(2):
+        yield

@@ -7,6 +7,7 @@ files, so tensors come back bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import tempfile
@@ -18,11 +19,28 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from wanvace_core.parallel.launcher import cpu_threads_per_worker
+
 
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def threads_of_workers(world_size: int):
+    """This process computes on as many intra-op threads as each of `world_size` CPU workers does.
+
+    A reference that must equal the workers bitwise needs it: CPU GEMM kernels may split their sums by the
+    thread count (seen on an AMX Xeon: 4e-6 between 2 threads and 1 on the same weights).
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cpu_threads_per_worker(world_size))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _rank_main(rank: int, world: int, port: int, out: str, fn, args) -> None:

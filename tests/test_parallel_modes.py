@@ -4,8 +4,9 @@ Two (or four) gloo CPU workers run the tiny pipeline in fp32. Sharding (FSDP, HS
 reorder no reduction, so they are bitwise equal (CPU GEMM kernels pick their path by the weights' address
 alignment: sharded weights are gathered into fresh buffers, so their reference holds its weights in fresh
 allocations too, while workers holding whole experts use them in place from the file, as the reference
-does). Ulysses attends over all-to-all'd head groups, whose sums may run in another order: within
-`ULYSSES_TOLERANCE` (max abs, latents of magnitude ~4).
+does; and by the thread count, so each reference runs on as many threads as each worker). Ulysses attends
+over all-to-all'd head groups, whose sums may run in another order: within `ULYSSES_TOLERANCE` (max abs,
+latents of magnitude ~4).
 Cache decisions must be those of the single process, on every rank (cache-dit averages its residual
 measure over each branch's ranks).
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.distributed import threads_of_workers
 from tests.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH
 from wanvace_core import (
     CacheOptions,
@@ -28,6 +30,7 @@ from wanvace_core import (
     sample,
 )
 from wanvace_core.parallel import ParallelOptions
+from wanvace_core.parallel.launcher import cpu_threads_per_worker
 
 SETTINGS = SamplerSettings(seed=7, steps=6, cfg=5.0, cfg_low_noise=4.0)
 CACHE = CacheOptions(residual_diff_threshold=0.3, high_noise=ExpertCacheLimits(1), low_noise=ExpertCacheLimits(1))
@@ -61,20 +64,34 @@ def _rehomed(model):
 
 @pytest.fixture(scope="module")
 def reference(tiny_folder):
+    """The conditioning, and the single-process results for a world size: computed once per intra-op thread
+    count, on as many threads as each of that many workers has (see `threads_of_workers`)."""
     model = load_pipeline(tiny_folder, "fp32")
     cond = prepare_conditioning(
         model, VACEInputs(positive=PROMPT, negative=NEGATIVE, width=WIDTH, height=HEIGHT, length=LENGTH)
     )
-    expected = {}
-    for layout, pipeline in (("file", model), ("fresh", _rehomed(load_pipeline(tiny_folder, "fp32")))):
-        for cache in (None, CACHE):
-            expected[layout, cache is not None] = sample(pipeline, cond, SETTINGS, cache=cache)
-    assert all(e.cached_steps for e in expected["file", True].cache_report.experts)  # the cache really caches here
-    return cond, expected
+    pipelines = {"file": model, "fresh": _rehomed(load_pipeline(tiny_folder, "fp32"))}
+    by_threads = {}
+
+    def expected_for(world_size: int) -> dict:
+        threads = cpu_threads_per_worker(world_size)
+        if threads not in by_threads:
+            with threads_of_workers(world_size):
+                expected = {
+                    (layout, cache is not None): sample(pipeline, cond, SETTINGS, cache=cache)
+                    for layout, pipeline in pipelines.items()
+                    for cache in (None, CACHE)
+                }
+            assert all(e.cached_steps for e in expected["file", True].cache_report.experts)  # the cache caches
+            by_threads[threads] = expected
+        return by_threads[threads]
+
+    return cond, expected_for
 
 
 def _check_mode(tiny_folder, reference, devices, mode: dict, offload: OffloadOptions | None = None) -> None:
-    cond, all_expected = reference
+    cond, expected_for = reference
+    all_expected = expected_for(len(devices))
     layout = "file" if mode["shard"] == "none" and offload is None else "fresh"
     expected = {cached: all_expected[layout, cached] for cached in (False, True)}
     model = load_pipeline(tiny_folder, "fp32", offload=offload, parallel=ParallelOptions(devices=devices, **mode))
@@ -138,7 +155,8 @@ def test_single_files_shard_in_the_workers_bitwise(tmp_path):
     cond = prepare_conditioning(
         single, VACEInputs(positive=PROMPT, negative=NEGATIVE, width=WIDTH, height=HEIGHT, length=LENGTH)
     )
-    expected = sample(single, cond, SETTINGS).latents
+    with threads_of_workers(2):
+        expected = sample(single, cond, SETTINGS).latents
     model = load_expert_files(files, "fp32", parallel=ParallelOptions(devices=("cpu", "cpu"), shard="fsdp"))
     try:
         assert torch.equal(sample(model, cond, SETTINGS).latents, expected)

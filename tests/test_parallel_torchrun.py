@@ -25,8 +25,10 @@ import torch
 from tests.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH
 from wanvace_core import SamplerSettings, VACEInputs, load_pipeline, prepare_conditioning, sample
 from wanvace_core.parallel import ParallelOptions, WanVACEWorkerError
+from wanvace_core.parallel.launcher import cpu_threads_per_worker
 
-pytestmark = pytest.mark.slow
+# The references here run in this process and must equal two workers bitwise.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("threads_like_two_workers")]
 
 REPO = Path(__file__).resolve().parents[1]
 KEY = "wanvace-torchrun-test-key"
@@ -95,7 +97,7 @@ class Torchrun:
         env = dict(os.environ)
         env.update(
             PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-            OMP_NUM_THREADS="1",
+            OMP_NUM_THREADS=str(cpu_threads_per_worker(2)),  # as the local launcher's workers and the references
             WANVACE_WORKER_KEY=KEY,
         )
         for name in ("WANVACE_WORKER_DEVICES", "WANVACE_WORKER_PARENT"):

@@ -30,6 +30,9 @@ from wanvace_core import (
 )
 from wanvace_core.parallel import ParallelOptions, WanVACEWorkerError, messages
 
+# The references here run in this process and must equal two workers bitwise.
+pytestmark = pytest.mark.usefixtures("threads_like_two_workers")
+
 SETTINGS = SamplerSettings(seed=5, steps=6, cfg=5.0, cfg_low_noise=4.0)
 # Caches some steps of both experts on the tiny model (checked below: a cache that never hits proves nothing).
 CACHE = CacheOptions(residual_diff_threshold=0.3, high_noise=ExpertCacheLimits(1), low_noise=ExpertCacheLimits(1))

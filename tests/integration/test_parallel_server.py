@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 from workflow_graphs import TINY_MODEL, for_tiny_model
 
 from wanvace_core.parallel import DEFAULT_ENDPOINT
+from wanvace_core.parallel.launcher import cpu_threads_per_worker
 from wanvace_core.tiny import TinyModelSpec, write_tiny_pipeline
 
 pytestmark = pytest.mark.integration
@@ -166,7 +167,8 @@ def _wait_gone(pids, within_s: float = 30.0) -> list[int]:
 def server(tmp_path_factory):
     require_comfyui()
     base = tmp_path_factory.mktemp("comfy_parallel")
-    server = ComfyServer(base)
+    # The references run in the server process and must equal two workers bitwise (see `threads_of_workers`).
+    server = ComfyServer(base, env={"OMP_NUM_THREADS": str(cpu_threads_per_worker(2))})
     server.prepare()
     write_tiny_pipeline(base / "models" / "diffusers" / TINY_MODEL, TinyModelSpec(two_experts=True))
     server.start(timeout=180)

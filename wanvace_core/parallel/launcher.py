@@ -62,6 +62,11 @@ def _tail(path: Path, lines: int = 25) -> str:
         return "(no log)"
 
 
+def cpu_threads_per_worker(world_size: int) -> int:
+    """Intra-op threads of each CPU worker: the machine's cores shared out, so the ranks do not oversubscribe them."""
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
 class LocalWorkers:
     """One `python -m wanvace_core.worker` process per listed device, on this machine."""
 
@@ -71,7 +76,7 @@ class LocalWorkers:
         self.address = ("127.0.0.1", _free_port())
         self.logs = Path(tempfile.mkdtemp(prefix="wanvace-workers-"))
         world = options.world_size
-        threads = max(1, (os.cpu_count() or 1) // world) if options.device_type == "cpu" else None
+        threads = cpu_threads_per_worker(world) if options.device_type == "cpu" else None
         master_port = str(_free_port())
         self.processes: list[subprocess.Popen] = []
         for rank in range(world):
