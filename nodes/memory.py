@@ -93,7 +93,7 @@ class ComfyMemoryBroker:
 
     def reserve(self, incoming_bytes: int) -> None:
         self.patcher.incoming_bytes = int(incoming_bytes)
-        _let_retired_patchers_go()
+        _retired.clear()  # see _retired
         try:
             model_management.load_models_gpu([self.patcher], memory_required=self.working_bytes)
         finally:
@@ -110,14 +110,6 @@ _brokers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _retired: list[WanVACEPatcher] = []
 
 
-def _retire(patcher: WanVACEPatcher) -> None:
-    _retired.append(patcher)
-
-
-def _let_retired_patchers_go() -> None:
-    _retired.clear()
-
-
 def cooperate(model, device: torch.device) -> WanVACEPatcher:
     """Registers `model` with ComfyUI's model management; returns its patcher.
 
@@ -129,7 +121,7 @@ def cooperate(model, device: torch.device) -> WanVACEPatcher:
     if broker is None:
         # The pipeline keeps its patcher alive (ComfyUI holds only weak references to it).
         broker = _brokers[model] = ComfyMemoryBroker(WanVACEPatcher(model, device))
-        weakref.finalize(model, _retire, broker.patcher)
+        weakref.finalize(model, _retired.append, broker.patcher)
     model.residency.broker = broker
     broker.reserve(0)  # registered now: weights already on the device (mode none) count from the start
     return broker.patcher
