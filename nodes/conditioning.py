@@ -21,7 +21,7 @@ from ..wanvace_core.conditioning import (
     validate_vace_window,
 )
 from ..wanvace_core.tiling import VAETiling, requested_peak_bytes
-from ..wanvace_core.validation import nan_refusing_min
+from ..wanvace_core.validation import nan_refusing_min, validate_range
 from .memory import set_working_memory
 from .tiling import free_device_bytes, tiling_from_inputs, tiling_inputs, validate_tiling_inputs
 from .types import CATEGORY, WanVACEConditioningType, WanVACEModelType
@@ -31,6 +31,9 @@ logger = logging.getLogger(__name__)
 # ComfyUI passes a connected input to validate_inputs as None (its value does not exist before the prompt runs)
 # and leaves an unconnected optional input out; this default tells the two apart.
 _NOT_CONNECTED = object()
+# The widgets' ranges, checked again in validate_inputs (whose arguments skip ComfyUI's range check).
+SIZE_RANGE = (16, 4096)
+LENGTH_RANGE = (1, 1025)
 # Keys of a CONDITIONING entry's dict that say nothing the text embeddings do not: ComfyUI's text encoders set
 # pooled_output (None for Wan's umt5) and, for some encoders, attention_mask (which the conversion reads).
 _TEXT_ENCODER_KEYS = {"pooled_output", "attention_mask"}
@@ -95,21 +98,26 @@ class WanVACEConditioning(io.ComfyNode):
                     "negative_conditioning is connected.",
                 ),
                 io.Int.Input(
-                    "width", default=832, min=16, max=4096, step=16, tooltip="Video width in pixels, a multiple of 16."
+                    "width",
+                    default=832,
+                    min=SIZE_RANGE[0],
+                    max=SIZE_RANGE[1],
+                    step=16,
+                    tooltip="Video width in pixels, a multiple of 16.",
                 ),
                 io.Int.Input(
                     "height",
                     default=480,
-                    min=16,
-                    max=4096,
+                    min=SIZE_RANGE[0],
+                    max=SIZE_RANGE[1],
                     step=16,
                     tooltip="Video height in pixels, a multiple of 16.",
                 ),
                 io.Int.Input(
                     "length",
                     default=81,
-                    min=1,
-                    max=1025,
+                    min=LENGTH_RANGE[0],
+                    max=LENGTH_RANGE[1],
                     step=4,
                     tooltip="Number of frames, of the form 4n+1 (81 = 5 s at 16 fps).",
                 ),
@@ -196,6 +204,13 @@ class WanVACEConditioning(io.ComfyNode):
         try:
             if None not in (width, height, length):
                 validate_generation_size(width, height, length)
+                # Arguments of validate_inputs skip ComfyUI's own range check.
+                for name, value, bounds in (
+                    ("width", width, SIZE_RANGE),
+                    ("height", height, SIZE_RANGE),
+                    ("length", length, LENGTH_RANGE),
+                ):
+                    validate_range(name, value, *bounds)
             if positive is not None:
                 validate_prompt(positive, has_embeddings=positive_conditioning is not _NOT_CONNECTED)
             if vace_start_percent is not None or vace_end_percent is not None:

@@ -4,11 +4,8 @@ Wan2.2-T2V experts, GGUF, umt5 and Wan VAE files) -> WANVACE_MODEL."""
 from __future__ import annotations
 
 import logging
-import os
-from pathlib import Path
 
 import comfy.model_management
-import folder_paths
 from comfy_api.latest import io
 
 from ..wanvace_core import (
@@ -16,46 +13,32 @@ from ..wanvace_core import (
     WEIGHT_DTYPES,
     ExpertFiles,
     OffloadOptions,
+    WanVACEError,
     WanVACEModel,
-    WanVACEModelFolderError,
     attach_offload,
     inspect_expert_files,
     load_expert_files,
 )
 from ..wanvace_core.parallel import ParallelOptions
 from ..wanvace_core.single_file import DEFAULT_BOUNDARY_RATIO, file_stamps, resident_bytes
+from ..wanvace_core.validation import nan_refusing_min
 from .held import forget_last, forget_on_unload, hold, reusable
 from .memory import cooperate, make_room_before_loading
+from .model_files import list_weight_files, resolve_listed_file
 from .types import CATEGORY, WanVACEModelType, WanVACEOffloadType, WanVACEParallelType
 
 logger = logging.getLogger(__name__)
 
 NONE = "none"
-_WEIGHT_SUFFIXES = (".safetensors", ".sft", ".gguf")
-
-
-def _files_in(folder_name: str) -> list[str]:
-    """Safetensors and GGUF files under a ComfyUI model folder (ComfyUI's own lists leave .gguf out)."""
-    found: set[str] = set()
-    for root in folder_paths.get_folder_paths(folder_name):
-        if not os.path.isdir(root):
-            continue
-        for directory, _dirs, names in os.walk(root, followlinks=True):
-            for name in names:
-                if name.lower().endswith(_WEIGHT_SUFFIXES):
-                    found.add(os.path.relpath(os.path.join(directory, name), root).replace(os.sep, "/"))
-    return sorted(found)
-
-
-def _resolve(folder_name: str, input_name: str, name: str) -> Path:
-    for root in folder_paths.get_folder_paths(folder_name):
-        candidate = os.path.join(root, name)
-        if os.path.isfile(candidate):
-            return Path(candidate)
-    raise WanVACEModelFolderError(
-        f"{input_name}={name!r} is not a file under models/{folder_name} "
-        f"({', '.join(folder_paths.get_folder_paths(folder_name))}); put it there and refresh."
-    )
+# Each file input and the ComfyUI folder type it lists.
+_FOLDER_OF_INPUT = {
+    "high_noise_model": "diffusion_models",
+    "low_noise_model": "diffusion_models",
+    "text_encoder": "text_encoders",
+    "vae": "vae",
+    "high_noise_vace_module": "diffusion_models",
+    "low_noise_vace_module": "diffusion_models",
+}
 
 
 def _expert_files(
@@ -66,23 +49,30 @@ def _expert_files(
     high_noise_vace_module: str = NONE,
     low_noise_vace_module: str = NONE,
 ) -> ExpertFiles:
-    def module(input_name: str, name: str) -> Path | None:
-        return None if name in (NONE, "", None) else _resolve("diffusion_models", input_name, name)
-
-    return ExpertFiles(
-        high_noise_model=_resolve("diffusion_models", "high_noise_model", high_noise_model),
-        low_noise_model=_resolve("diffusion_models", "low_noise_model", low_noise_model),
-        text_encoder=_resolve("text_encoders", "text_encoder", text_encoder),
-        vae=_resolve("vae", "vae", vae),
-        high_noise_vace_module=module("high_noise_vace_module", high_noise_vace_module),
-        low_noise_vace_module=module("low_noise_vace_module", low_noise_vace_module),
-    )
+    """The chosen files, each only from what its input lists (checked before any file is opened)."""
+    chosen = {
+        "high_noise_model": high_noise_model,
+        "low_noise_model": low_noise_model,
+        "text_encoder": text_encoder,
+        "vae": vae,
+        "high_noise_vace_module": high_noise_vace_module,
+        "low_noise_vace_module": low_noise_vace_module,
+    }
+    listings = {folder: list_weight_files(folder) for folder in set(_FOLDER_OF_INPUT.values())}
+    paths = {}
+    for input_name, name in chosen.items():
+        folder = _FOLDER_OF_INPUT[input_name]
+        if input_name.endswith("_vace_module") and name in (NONE, "", None):
+            paths[input_name] = None
+        else:
+            paths[input_name] = resolve_listed_file(input_name, name, listings[folder], folder)
+    return ExpertFiles(**paths)
 
 
 class WanVACEExpertsLoader(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
-        experts = _files_in("diffusion_models")
+        experts = list_weight_files("diffusion_models")
         return io.Schema(
             node_id="WanVACEExpertsLoader",
             display_name="WanVACE Experts Loader (single files)",
@@ -110,13 +100,13 @@ class WanVACEExpertsLoader(io.ComfyNode):
                 ),
                 io.Combo.Input(
                     "text_encoder",
-                    options=_files_in("text_encoders"),
+                    options=list_weight_files("text_encoders"),
                     tooltip="umt5-xxl from models/text_encoders (umt5_xxl_fp16 or umt5_xxl_fp8_e4m3fn_scaled); its "
                     "tokenizer is read from the file.",
                 ),
                 io.Combo.Input(
                     "vae",
-                    options=_files_in("vae"),
+                    options=list_weight_files("vae"),
                     tooltip="The Wan 2.1 VAE from models/vae (wan_2.1_vae.safetensors); Wan2.2-VACE-Fun-A14B uses it.",
                 ),
                 io.Combo.Input(
@@ -137,7 +127,7 @@ class WanVACEExpertsLoader(io.ComfyNode):
                 io.Float.Input(
                     "boundary_ratio",
                     default=DEFAULT_BOUNDARY_RATIO,
-                    min=0.0,
+                    min=nan_refusing_min(0.0),
                     max=1.0,
                     step=0.005,
                     tooltip="Steps with timestep >= boundary_ratio x 1000 use the high-noise expert, the rest the "
@@ -188,7 +178,8 @@ class WanVACEExpertsLoader(io.ComfyNode):
         low_noise_vace_module: str = NONE,
     ) -> bool | str:
         # The files are checked together (headers only): whether they fit is a property of the set. ComfyUI lists
-        # a refusal under every argument here, so each message names the input and file it is about.
+        # a refusal under every argument here (and skips its own list check for them), so only the file inputs
+        # are arguments, each message names the input and file first, and names are checked against the lists.
         if None in (high_noise_model, low_noise_model, text_encoder, vae):
             return True
         try:
@@ -197,7 +188,7 @@ class WanVACEExpertsLoader(io.ComfyNode):
                     high_noise_model, low_noise_model, text_encoder, vae, high_noise_vace_module, low_noise_vace_module
                 )
             )
-        except WanVACEModelFolderError as error:
+        except WanVACEError as error:
             return str(error)
         return True
 

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import logging
-import os
+from pathlib import Path
 
 import comfy.model_management
-import folder_paths
 from comfy_api.latest import io
 
 from ..wanvace_core import (
     DTYPES,
     OffloadOptions,
-    WanVACEModelFolderError,
+    WanVACEError,
     attach_offload,
     find_pipeline_folders,
     inspect_pipeline_folder,
@@ -22,6 +21,7 @@ from ..wanvace_core.loading import file_stamps
 from ..wanvace_core.parallel import ParallelOptions
 from ..wanvace_core.single_file import (
     DEFAULT_BOUNDARY_RATIO,
+    ORIGINAL_VAE,
     find_original_folders,
     inspect_expert_files,
     is_original_folder,
@@ -30,28 +30,24 @@ from ..wanvace_core.single_file import (
 from .experts_loader import load_held_experts
 from .held import forget_last, forget_on_unload, hold, reusable
 from .memory import cooperate, make_room_before_loading
+from .model_files import folder_roots, resolve_listed_folder
 from .types import CATEGORY, WanVACEModelType, WanVACEOffloadType, WanVACEParallelType
 
 MODEL_FOLDER = "diffusers"
 logger = logging.getLogger(__name__)
 
 
-def _model_roots() -> list[str]:
-    if MODEL_FOLDER not in folder_paths.folder_names_and_paths:
-        folder_paths.add_model_folder_path(MODEL_FOLDER, os.path.join(folder_paths.models_dir, MODEL_FOLDER))
-    return folder_paths.get_folder_paths(MODEL_FOLDER)
+def list_model_folders() -> list[str]:
+    """Pipeline folders (diffusers, or the original release) under the diffusers model folders, links followed."""
+    roots = folder_roots(MODEL_FOLDER)
+    return sorted(set(find_pipeline_folders(roots)) | set(find_original_folders(roots)))
 
 
-def resolve_model_folder(model_name: str) -> str:
-    for root in _model_roots():
-        candidate = os.path.join(root, model_name)
-        if os.path.isfile(os.path.join(candidate, "model_index.json")) or is_original_folder(candidate):
-            return candidate
-    roots = ", ".join(_model_roots())
-    raise WanVACEModelFolderError(
-        f"model_name={model_name!r} is not a pipeline folder under the diffusers model folders ({roots}); "
-        "put the WanVACE pipeline folder there and refresh."
-    )
+def resolve_model_folder(model_name: str) -> Path:
+    """The listed folder `model_name`, found through `folder_paths` (a diffusers folder by its model_index.json,
+    the original release by its VAE file)."""
+    markers = ("model_index.json", ORIGINAL_VAE)
+    return resolve_listed_folder("model_name", model_name, list_model_folders(), MODEL_FOLDER, markers)
 
 
 class WanVACEModelLoader(io.ComfyNode):
@@ -70,7 +66,7 @@ class WanVACEModelLoader(io.ComfyNode):
             inputs=[
                 io.Combo.Input(
                     "model_name",
-                    options=sorted(find_pipeline_folders(_model_roots()) + find_original_folders(_model_roots())),
+                    options=list_model_folders(),
                     tooltip="A pipeline folder under models/diffusers: a diffusers one (model_index.json naming "
                     "WanVACEPipeline, e.g. Wan2.2-VACE-Fun-A14B-Diffusers) or the original Wan2.2-VACE-Fun-A14B "
                     "release (high_noise_model/, low_noise_model/, Wan2.1_VAE.pth).",
@@ -110,8 +106,9 @@ class WanVACEModelLoader(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, model_name: str | None = None, allow_pth_weights: bool = False) -> bool | str:
-        # ComfyUI lists a refusal under every argument of validate_inputs, and checks the other inputs (dtype's
-        # combo) itself; the pickle opt-in is here because whether a folder loads depends on it.
+        # ComfyUI lists a refusal under every argument of validate_inputs and skips its own list check for them, so
+        # model_name is checked against the listed folders here; the pickle opt-in is an argument because whether
+        # a folder loads depends on it. dtype's combo stays out (ComfyUI checks it; execute refuses it otherwise).
         if model_name is None:
             return True
         try:
@@ -120,8 +117,9 @@ class WanVACEModelLoader(io.ComfyNode):
                 inspect_expert_files(original_folder_files(folder, allow_pth_weights))
             else:
                 inspect_pipeline_folder(folder)
-        except WanVACEModelFolderError as error:
-            return str(error)
+        except WanVACEError as error:
+            message = str(error)
+            return message if message.startswith("model_name") else f"model_name={model_name!r}: {message}"
         return True
 
     @classmethod
@@ -162,7 +160,7 @@ class WanVACEModelLoader(io.ComfyNode):
 
 
 def _load_parallel(
-    folder: str, dtype: str, device, offload: OffloadOptions, parallel: ParallelOptions, allow_pth_weights: bool
+    folder: Path, dtype: str, device, offload: OffloadOptions, parallel: ParallelOptions, allow_pth_weights: bool
 ):
     """Experts in parallel workers, text encoder and VAE here; the workers live as long as the model."""
     if is_original_folder(folder):
@@ -178,6 +176,6 @@ def _load_parallel(
     return model
 
 
-def _weight_file_bytes(folder: str) -> int:
+def _weight_file_bytes(folder: Path) -> int:
     layout = inspect_pipeline_folder(folder, check_weights=False)
     return sum(path.stat().st_size for files in layout.components.values() for path in files.weight_files)

@@ -7,23 +7,18 @@ from pathlib import Path
 import folder_paths
 from comfy_api.latest import io
 
-from ..wanvace_core import WanVACEInputError
+from ..wanvace_core import WanVACEError, WanVACEInputError
 from ..wanvace_core.lora import LoraPatch, check_lora
 from ..wanvace_core.validation import nan_refusing_min
+from .model_files import resolve_listed_file
 from .types import CATEGORY, WanVACEModelType
 
 LORA_FOLDER = "loras"
 STRENGTH_RANGE = 10.0
 
 
-def _lora_path(lora_name: str) -> Path:
-    path = folder_paths.get_full_path(LORA_FOLDER, lora_name)
-    if path is None:
-        raise WanVACEInputError(
-            f"lora_name={lora_name!r} is not a file under models/{LORA_FOLDER} "
-            f"({', '.join(folder_paths.get_folder_paths(LORA_FOLDER))}); put it there and refresh."
-        )
-    return Path(path)
+def _lora_path(lora_name: object) -> Path:
+    return resolve_listed_file("lora_name", lora_name, folder_paths.get_filename_list(LORA_FOLDER), LORA_FOLDER)
 
 
 def _strength_input(name: str, expert: str) -> io.Float.Input:
@@ -75,6 +70,17 @@ class WanVACELoraLoader(io.ComfyNode):
         )
 
     @classmethod
+    def validate_inputs(cls, lora_name: str | None = None) -> bool | str:
+        # Only a listed name: ComfyUI 0.3.75 checks no V3 combo against its list. The file is read against the
+        # model when the node runs (the model is not known here).
+        try:
+            if lora_name is not None:
+                _lora_path(lora_name)
+        except WanVACEInputError as error:
+            return str(error)
+        return True
+
+    @classmethod
     def execute(
         cls, model, lora_name: str, strength_high_noise: float, strength_low_noise: float, merge: bool
     ) -> io.NodeOutput:
@@ -84,5 +90,8 @@ class WanVACELoraLoader(io.ComfyNode):
             strength_low_noise=strength_low_noise,
             merge=merge,
         )
-        check_lora(model, patch)
+        try:
+            check_lora(model, patch)
+        except WanVACEError as error:
+            raise WanVACEInputError(f"lora_name={lora_name!r}: {error}") from error
         return io.NodeOutput(model.with_loras(patch))

@@ -7,7 +7,12 @@ from comfy_api.latest import io
 
 from ..wanvace_core import WanVACEInputError
 from ..wanvace_core.parallel import DEFAULT_ENDPOINT, LAUNCHERS, SHARD_MODES, ParallelOptions
+from ..wanvace_core.validation import nan_refusing_min, validate_range
 from .types import CATEGORY, WanVACEParallelType
+
+# The widgets' range for replicate_size and ulysses_degree, checked again in validate_inputs (whose arguments skip
+# ComfyUI's range check).
+DEGREE_RANGE = (1, 64)
 
 
 def parallel_options(
@@ -18,7 +23,7 @@ def parallel_options(
     cfg_parallel: bool,
     launcher: str,
     endpoint: str,
-    timeout_s: float,
+    timeout_s: float = 600.0,
 ) -> ParallelOptions:
     options = ParallelOptions.from_text(
         devices,
@@ -66,16 +71,16 @@ class WanVACEParallelOptions(io.ComfyNode):
                 io.Int.Input(
                     "replicate_size",
                     default=1,
-                    min=1,
-                    max=64,
+                    min=DEGREE_RANGE[0],
+                    max=DEGREE_RANGE[1],
                     tooltip="hsdp only: number of replicas (e.g. 2 machines x 4 GPUs: replicate_size 2 shards inside "
                     "each machine). Must divide the devices and leave at least two shards. 1 otherwise.",
                 ),
                 io.Int.Input(
                     "ulysses_degree",
                     default=1,
-                    min=1,
-                    max=64,
+                    min=DEGREE_RANGE[0],
+                    max=DEGREE_RANGE[1],
                     tooltip="Split each video's tokens over this many devices (Ulysses sequence parallel): the main "
                     "speed-up for one long video. Must divide the devices (of each CFG branch), the attention heads "
                     "(40 for A14B: 1, 2, 4, 5, 8) and the token count. Results equal one device within float "
@@ -105,7 +110,7 @@ class WanVACEParallelOptions(io.ComfyNode):
                 io.Float.Input(
                     "timeout_s",
                     default=600.0,
-                    min=1.0,
+                    min=nan_refusing_min(1.0),
                     max=86400.0,
                     tooltip="A worker that finishes no step (or no load) for this long is treated as hung: the prompt "
                     "fails with its log, the workers are stopped and the next prompt starts fresh ones.",
@@ -124,12 +129,14 @@ class WanVACEParallelOptions(io.ComfyNode):
         cfg_parallel: bool = False,
         launcher: str = "local",
         endpoint: str = DEFAULT_ENDPOINT,
-        timeout_s: float = 600.0,
     ) -> bool | str:
+        # ComfyUI lists a refusal under every argument and skips its own checks for them: these are the inputs the
+        # device-count checks combine (launcher decides whether endpoint matters). timeout_s gets ComfyUI's range
+        # check, which refuses NaN too (nan_refusing_min), under that input alone.
         try:
-            parallel_options(
-                devices, shard, replicate_size, ulysses_degree, cfg_parallel, launcher, endpoint, timeout_s
-            )
+            parallel_options(devices, shard, replicate_size, ulysses_degree, cfg_parallel, launcher, endpoint)
+            validate_range("replicate_size", replicate_size, *DEGREE_RANGE)
+            validate_range("ulysses_degree", ulysses_degree, *DEGREE_RANGE)
         except WanVACEInputError as error:
             return str(error)
         return True

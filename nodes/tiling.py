@@ -7,11 +7,15 @@ from comfy_api.latest import io
 
 from ..wanvace_core import WanVACEInputError
 from ..wanvace_core.tiling import TILING_MODES, VAETiling
+from ..wanvace_core.validation import validate_range
 
 _DEFAULT = VAETiling()
 # Optional, so that prompts saved before these inputs existed (API prompts carry no value for them, and
 # ComfyUI refuses a missing required input) still run, with the defaults.
 TILED, TILE_SIZE, TILE_OVERLAP = "tiled", "tile_size", "tile_overlap"
+# The widgets' ranges, checked again in validate_tiling_inputs (validate_inputs arguments skip ComfyUI's check).
+TILE_SIZE_RANGE = (64, 4096)
+TILE_OVERLAP_RANGE = (0, 4088)
 
 
 def tiling_inputs(prefix: str = "") -> list[io.Input]:
@@ -31,8 +35,8 @@ def tiling_inputs(prefix: str = "") -> list[io.Input]:
         io.Int.Input(
             prefix + TILE_SIZE,
             default=_DEFAULT.tile_size,
-            min=64,
-            max=4096,
+            min=TILE_SIZE_RANGE[0],
+            max=TILE_SIZE_RANGE[1],
             step=8,
             optional=True,
             tooltip="Tile width and height in pixels, a multiple of 8 (diffusers' tile_sample_min_height/width). "
@@ -41,8 +45,8 @@ def tiling_inputs(prefix: str = "") -> list[io.Input]:
         io.Int.Input(
             prefix + TILE_OVERLAP,
             default=_DEFAULT.overlap,
-            min=0,
-            max=4088,
+            min=TILE_OVERLAP_RANGE[0],
+            max=TILE_OVERLAP_RANGE[1],
             step=8,
             optional=True,
             tooltip="Pixels by which neighbouring tiles overlap and are blended, a multiple of 8 below tile_size "
@@ -61,11 +65,13 @@ def tiling_from_inputs(
 def validate_tiling_inputs(tiled=None, tile_size=None, tile_overlap=None) -> bool | str:
     """For a node's `validate_inputs`: True, or the refusal. None (an input linked, or missing) counts as default."""
     try:
-        tiling_from_inputs(
+        tiling = tiling_from_inputs(
             _DEFAULT.mode if tiled is None else tiled,
             _DEFAULT.tile_size if tile_size is None else tile_size,
             _DEFAULT.overlap if tile_overlap is None else tile_overlap,
         )
+        validate_range(TILE_SIZE, tiling.tile_size, *TILE_SIZE_RANGE)
+        validate_range(TILE_OVERLAP, tiling.overlap, *TILE_OVERLAP_RANGE)
     except WanVACEInputError as error:
         return str(error)
     return True

@@ -144,3 +144,12 @@ def test_find_pipeline_folders_lists_nested_folders(tmp_path, tiny_folder):
     shutil.copytree(tiny_folder, tmp_path / "a" / "wan")
     (tmp_path / "b").mkdir()
     assert find_pipeline_folders([tmp_path, tmp_path / "missing"]) == ["a/wan"]
+
+
+def test_find_pipeline_folders_follows_linked_folders_and_survives_a_link_loop(tmp_path, tiny_folder):
+    # Users keep weights on another disk and link the folder into models/diffusers.
+    root = tmp_path / "diffusers"
+    (root / "disk").mkdir(parents=True)
+    (root / "disk" / "wan").symlink_to(tiny_folder, target_is_directory=True)
+    (root / "loop").symlink_to(root, target_is_directory=True)
+    assert find_pipeline_folders([root]) == ["disk/wan"]

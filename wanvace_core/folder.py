@@ -7,6 +7,7 @@ validates a prompt and refuse a bad folder before any heavy work starts.
 from __future__ import annotations
 
 import json
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -179,13 +180,28 @@ def inspect_pipeline_folder(path: str | Path, *, check_weights: bool = True) -> 
     )
 
 
-def find_pipeline_folders(roots: list[str | Path]) -> list[str]:
-    """Names of sub-folders (relative to one of `roots`) that hold a model_index.json, sorted."""
-    found: set[str] = set()
+def walk_model_folders(roots: list[str | Path]):
+    """`(root, relative name, file names)` for every folder under each of `roots`, following linked folders.
+
+    Users link weights kept on another disk into ComfyUI's model folders, and `Path.glob` does not descend
+    into linked folders. A folder reached twice (a link loop, or two links to one place) is walked once.
+    """
     for root in roots:
         root = Path(root)
         if not root.is_dir():
             continue
-        for index in root.glob("**/model_index.json"):
-            found.add(index.parent.relative_to(root).as_posix())
-    return sorted(found)
+        seen: set[str] = set()
+        for directory, subfolders, names in os.walk(root, followlinks=True):
+            real = os.path.realpath(directory)
+            if real in seen:
+                subfolders[:] = []
+                continue
+            seen.add(real)
+            yield root, Path(directory).relative_to(root).as_posix(), names
+
+
+def find_pipeline_folders(roots: list[str | Path]) -> list[str]:
+    """Names of sub-folders (relative to one of `roots`, linked folders included) that hold a model_index.json."""
+    return sorted(
+        {name for _root, name, files in walk_model_folders(roots) if name != "." and "model_index.json" in files}
+    )

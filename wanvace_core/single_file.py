@@ -11,6 +11,7 @@ file has them (`quantized.QuantizedLinear`) and are dequantised per layer at com
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 
 from .errors import WanVACEModelFolderError
+from .folder import walk_model_folders
 from .loading import DTYPES, finish_filling, fp32_module_names, meta_stand_in, set_tensor
 from .model import WanVACEModel
 from .offload import OffloadOptions
@@ -261,13 +263,30 @@ def _open_expert(path: Path | None, allow_pth: bool) -> list | None:
     return [open_weight_file(shard) for shard in shards]
 
 
+@contextlib.contextmanager
+def _refusals_name(input_name: str, path: str | Path | None):
+    """Puts `input_name=<file name>` first in a refusal about one file (the message may name the full path later):
+    a loader lists several files, and the path alone does not say which input is wrong."""
+    try:
+        yield
+    except WanVACEModelFolderError as error:
+        if path is None or str(error).startswith(input_name):
+            raise
+        raise WanVACEModelFolderError(f"{input_name}={Path(path).name!r}: {error}") from error
+
+
 def inspect_expert_files(files: ExpertFiles) -> dict[str, Layout]:
-    """Reads every header and checks the files fit together; cheap (no tensor data), raises naming the file."""
+    """Reads every header and checks the files fit together; cheap (no tensor data). Each refusal names the input
+    (`ExpertFiles`' field names are the loader's inputs) and the file first."""
 
     def expert(model: Path, module: Path | None, label: str) -> Layout:
-        return expert_layout(
-            _open_expert(model, files.allow_pth), _open_expert(module, files.allow_pth), label, model.name
-        )
+        with _refusals_name(label, model):
+            opened_model = _open_expert(model, files.allow_pth)
+        module_label = label.replace("_model", "_vace_module")
+        with _refusals_name(module_label, module):
+            opened_module = _open_expert(module, files.allow_pth)
+        with _refusals_name(label, model):
+            return expert_layout(opened_model, opened_module, label, model.name)
 
     high = expert(Path(files.high_noise_model), files.high_noise_vace_module, "high_noise_model")
     layouts = {"transformer": high}
@@ -282,20 +301,24 @@ def inspect_expert_files(files: ExpertFiles) -> dict[str, Layout]:
                 "release (e.g. both Wan2.2-VACE-Fun-A14B)."
             )
         layouts["transformer_2"] = low
-    text = umt5_layout(open_weight_file(files.text_encoder, files.allow_pth))
-    if text.config["d_model"] != high.config["text_dim"]:
-        raise WanVACEModelFolderError(
-            f"text_encoder={files.text_encoder.name} gives {text.config['d_model']}-wide embeddings, the experts take "
-            f"{high.config['text_dim']}; Wan uses umt5-xxl (4096): choose umt5_xxl_fp16 or umt5_xxl_fp8_e4m3fn_scaled."
-        )
-    _tokenizer_folder(Path(files.text_encoder), text, files.tokenizer)
+    with _refusals_name("text_encoder", files.text_encoder):
+        text = umt5_layout(open_weight_file(files.text_encoder, files.allow_pth))
+        if text.config["d_model"] != high.config["text_dim"]:
+            raise WanVACEModelFolderError(
+                f"text_encoder={files.text_encoder.name} gives {text.config['d_model']}-wide embeddings, the experts "
+                f"take {high.config['text_dim']}; Wan uses umt5-xxl (4096): choose umt5_xxl_fp16 or "
+                "umt5_xxl_fp8_e4m3fn_scaled."
+            )
+        _tokenizer_folder(Path(files.text_encoder), text, files.tokenizer)
     layouts["text_encoder"] = text
-    vae = vae_layout(open_weight_file(files.vae, files.allow_pth))
-    if vae.config["z_dim"] != high.config["in_channels"]:
-        raise WanVACEModelFolderError(
-            f"vae={Path(files.vae).name} has {vae.config['z_dim']} latent channels, the experts take "
-            f"{high.config['in_channels']}; Wan2.2-VACE-Fun-A14B uses the Wan 2.1 VAE: choose wan_2.1_vae.safetensors."
-        )
+    with _refusals_name("vae", files.vae):
+        vae = vae_layout(open_weight_file(files.vae, files.allow_pth))
+        if vae.config["z_dim"] != high.config["in_channels"]:
+            raise WanVACEModelFolderError(
+                f"vae={Path(files.vae).name} has {vae.config['z_dim']} latent channels, the experts take "
+                f"{high.config['in_channels']}; Wan2.2-VACE-Fun-A14B uses the Wan 2.1 VAE: choose "
+                "wan_2.1_vae.safetensors."
+            )
     layouts["vae"] = vae
     return layouts
 
@@ -454,15 +477,15 @@ def original_folder_files(path: str | Path, allow_pth: bool) -> ExpertFiles:
 
 
 def find_original_folders(roots) -> list[str]:
-    """Names of sub-folders (relative to one of `roots`) that hold an original Wan2.2-VACE-Fun release, sorted."""
-    found: set[str] = set()
-    for root in roots:
-        root = Path(root)
-        if root.is_dir():
-            for vae in root.glob(f"**/{ORIGINAL_VAE}"):
-                if is_original_folder(vae.parent):
-                    found.add(vae.parent.relative_to(root).as_posix())
-    return sorted(found)
+    """Names of sub-folders (relative to one of `roots`, linked folders included) that hold an original
+    Wan2.2-VACE-Fun release, sorted."""
+    return sorted(
+        {
+            name
+            for root, name, files in walk_model_folders(roots)
+            if name != "." and ORIGINAL_VAE in files and is_original_folder(root / name)
+        }
+    )
 
 
 def load_expert(

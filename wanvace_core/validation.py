@@ -53,3 +53,10 @@ def nan_refusing_min(bound: float) -> float:
     else (arithmetic, JSON in /object_info).
     """
     return _NaNRefusingMin(bound)
+
+
+def validate_range(name: str, value: float, low: float, high: float) -> None:
+    """Refuses `value` outside [low, high], naming `name` (a node input whose widget range ComfyUI does not check
+    itself, because the node's `validate_inputs` takes it)."""
+    if not low <= value <= high:
+        raise WanVACEInputError(f"{name}={value} is outside its range {low} to {high}; choose a value within it.")

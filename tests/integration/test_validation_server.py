@@ -7,11 +7,14 @@ NaN and Infinity go through the real HTTP path as the JSON literals Python's jso
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+import time
 import uuid
 from pathlib import Path
 
 import pytest
-from workflow_graphs import for_tiny_model
+from workflow_graphs import FP8_VARIANT, SINGLE_FILES, for_tiny_model
 
 pytestmark = pytest.mark.integration
 
@@ -147,7 +150,7 @@ def test_nan_for_an_integer_input_is_refused_once_by_comfyui(comfy_server):
 
 def test_missing_model_is_refused_once_under_model_name(comfy_server):
     workflow, node_id = _with(_t2v(), "WanVACEModelLoader", model_name="does-not-exist")
-    _refused_once(comfy_server, workflow, node_id, "model_name", "model_name='does-not-exist' is not a pipeline folder")
+    _refused_once(comfy_server, workflow, node_id, "model_name", "model_name='does-not-exist' is not one of the")
 
 
 def _comfyui_checks_v3_combos(server) -> bool:
@@ -199,3 +202,230 @@ def test_shift_that_makes_the_scheduler_repeat_timesteps_fails_with_a_named_erro
     error = result.error
     assert error["exception_type"].endswith("WanVACEInputError"), error
     assert error["exception_message"].startswith("shift=100.0 with steps=20 makes the unipc scheduler repeat")
+
+
+# ==================================================================================================
+# File and folder inputs take only names their node lists (never a path outside the model folders)
+
+_OUTSIDE = "outside-the-model-folders"
+_EXPERT_INPUTS = (
+    "high_noise_model",
+    "low_noise_model",
+    "text_encoder",
+    "vae",
+    "high_noise_vace_module",
+    "low_noise_vace_module",
+)
+
+
+def _i2v_fp8() -> dict:
+    return for_tiny_model(json.loads((API_DIR / "wanvace_i2v_fp8.json").read_text()))
+
+
+def _lightning() -> dict:
+    return for_tiny_model(json.loads((API_DIR / "wanvace_t2v_lightning.json").read_text()))
+
+
+@pytest.fixture(scope="module")
+def outside(comfy_base) -> Path:
+    """A valid expert file and a valid pipeline folder beside (not inside) the server's model folders."""
+    folder = comfy_base / _OUTSIDE
+    if not folder.exists():
+        folder.mkdir()
+        expert = comfy_base / "models" / "diffusion_models" / SINGLE_FILES[FP8_VARIANT]["high_noise_model"]
+        shutil.copy(expert, folder / "expert.safetensors")
+        shutil.copytree(comfy_base / "models" / "diffusers" / "wanvace-tiny", folder / "pipeline")
+    return folder
+
+
+def _escapes(outside: Path, relative_to_folder: str) -> dict[str, str]:
+    """Names that point out of a model folder: at existing files, at missing ones, and at system files."""
+    return {
+        "relative, exists": f"../../{_OUTSIDE}/{relative_to_folder}",
+        "relative, missing": f"../../{_OUTSIDE}/missing-{relative_to_folder}",
+        "absolute, exists": str(outside / relative_to_folder),
+        "absolute, missing": str(outside / f"missing-{relative_to_folder}"),
+        "relative system file": "../../../../../../../etc/passwd",
+        "absolute system file": "/etc/passwd",
+        "unlisted": "not-listed-anywhere.safetensors",
+    }
+
+
+def _refusal_shapes(server, workflow_of, node_id: str, name: str, values: dict[str, str]) -> set[str]:
+    """POSTs each value into input `name`; every one must be refused at HTTP 400 under that node, each entry naming
+    the input first. Returns the refusals with the value blanked out: one shape means the messages tell nothing about
+    what exists outside the model folders."""
+    shapes = set()
+    for label, value in values.items():
+        workflow = workflow_of()
+        workflow[node_id]["inputs"][name] = value
+        code, body, _ = _post(server, workflow)
+        assert code == 400, (label, body)
+        assert list(body["node_errors"]) == [node_id], (label, body)
+        for error in body["node_errors"][node_id]["errors"]:
+            message = error["details"].split(" - ", 1)[-1]
+            assert message.startswith(f"{name}={value!r} is not one of the"), (label, error)
+            shapes.add(message.replace(repr(value), "<value>"))
+    return shapes
+
+
+def _trace_file_calls(pid: int, out: Path) -> subprocess.Popen:
+    """strace of every file system call of the server (all its threads), written to `out` until terminated."""
+    if shutil.which("strace") is None:
+        pytest.fail("strace is missing; scripts/setup.sh installs it (apt-get install strace)", pytrace=False)
+    tracer = subprocess.Popen(["strace", "-f", "-e", "trace=%file", "-o", str(out), "-p", str(pid)])
+    deadline = time.monotonic() + 30
+    # strace names each thread it attached to on stderr-less runs only in `out`, once it traces.
+    while not (out.exists() and out.stat().st_size) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return tracer
+
+
+def test_file_inputs_refuse_paths_out_of_their_folders_without_touching_them(comfy_server, outside, tmp_path):
+    """Every file and folder input of both loaders and the LoRA loader, with `..`, absolute and unlisted names:
+    refused at queue time, the same message whether the target exists or not, and (strace) no system call of the
+    server names anything outside the model folders."""
+    trace = tmp_path / "server.strace"
+    tracer = _trace_file_calls(comfy_server.proc.pid, trace)
+    try:
+        # A request the server answers only after the trace is live: its file calls must show up below.
+        comfy_server.object_info("WanVACEExpertsLoader")
+        experts = _i2v_fp8()
+        experts_id = _node_id(experts, "WanVACEExpertsLoader")
+        for name in _EXPERT_INPUTS:
+            values = _escapes(outside, "expert.safetensors")
+            shapes = _refusal_shapes(comfy_server, _i2v_fp8, experts_id, name, values)
+            assert len(shapes) == 1, shapes
+        folders = _escapes(outside, "pipeline")
+        folders["system folder"] = "/etc"
+        t2v_id = _node_id(_t2v(), "WanVACEModelLoader")
+        assert len(_refusal_shapes(comfy_server, _t2v, t2v_id, "model_name", folders)) == 1
+        lora_id = min(key for key, node in _lightning().items() if node["class_type"] == "WanVACELoraLoader")
+        values = _escapes(outside, "expert.safetensors")
+        assert len(_refusal_shapes(comfy_server, _lightning, lora_id, "lora_name", values)) == 1
+    finally:
+        tracer.terminate()
+        tracer.wait(timeout=30)
+    calls = trace.read_text()
+    assert "/models/diffusion_models" in calls and "/models/diffusers" in calls, "the trace saw no listing"
+    touched = [line for line in calls.splitlines() if _OUTSIDE in line or "/etc/passwd" in line]
+    assert not touched, "\n".join(touched[:20])
+
+
+@pytest.fixture(scope="module")
+def linked_models(comfy_base, tmp_path_factory):
+    """What users do with weights on another disk: the fp8 experts in a subfolder of diffusion_models and in a
+    folder linked into it, and the tiny pipeline folder linked into models/diffusers. Removed after the module."""
+    models = comfy_base / "models"
+    other_disk = tmp_path_factory.mktemp("other_disk")
+    names = SINGLE_FILES[FP8_VARIANT]
+    (other_disk / "experts").mkdir()
+    nested = models / "diffusion_models" / "nested" / "wan22"
+    nested.mkdir(parents=True)
+    for key in ("high_noise_model", "low_noise_model"):
+        source = models / "diffusion_models" / names[key]
+        shutil.copy(source, other_disk / "experts" / names[key])
+        shutil.copy(source, nested / names[key])
+    shutil.copytree(models / "diffusers" / "wanvace-tiny", other_disk / "pipeline")
+    links = [models / "diffusion_models" / "linked", models / "diffusers" / "linked-wanvace-tiny"]
+    links[0].symlink_to(other_disk / "experts", target_is_directory=True)
+    links[1].symlink_to(other_disk / "pipeline", target_is_directory=True)
+    try:
+        yield {"nested": "nested/wan22", "linked": "linked", "pipeline": "linked-wanvace-tiny"}
+    finally:
+        for link in links:
+            link.unlink()
+        shutil.rmtree(models / "diffusion_models" / "nested")
+
+
+def _saved_latent(server, workflow: dict, prefix: str):
+    from safetensors.torch import load_file
+
+    sampler = _node_id(workflow, "WanVACESampler")
+    workflow["990"] = {
+        "class_type": "SaveLatent",
+        "inputs": {"samples": [sampler, 0], "filename_prefix": f"wanvace_model_files/{prefix}"},
+    }
+    result = server.run_prompt(workflow, timeout=300)
+    assert result.status == "success", (result.error, result.response)
+    (path,) = [p for p in result.output_files() if p.suffix == ".latent"]
+    return result, load_file(str(path))["latent_tensor"]
+
+
+def _ran_loader(result, workflow: dict, class_type: str) -> None:
+    """The loader really ran for this prompt (ComfyUI did not serve its output from the cache)."""
+    cached = [node for event in result.events_of("execution_cached") for node in event.get("nodes", [])]
+    assert _node_id(workflow, class_type) not in cached, cached
+
+
+def test_experts_in_a_subfolder_and_a_linked_folder_are_listed_and_load(comfy_server, linked_models):
+    import torch
+
+    names = SINGLE_FILES[FP8_VARIANT]
+    options = comfy_server.object_info("WanVACEExpertsLoader")["WanVACEExpertsLoader"]["input"]["required"]
+    listed = options["high_noise_model"][1]["options"]
+    _, reference = _saved_latent(comfy_server, _i2v_fp8(), "top_level")
+    for folder in (linked_models["nested"], linked_models["linked"]):
+        workflow = _i2v_fp8()
+        loader = workflow[_node_id(workflow, "WanVACEExpertsLoader")]["inputs"]
+        for key in ("high_noise_model", "low_noise_model"):
+            assert f"{folder}/{names[key]}" in listed, (folder, listed)
+            loader[key] = f"{folder}/{names[key]}"
+        result, latent = _saved_latent(comfy_server, workflow, folder.replace("/", "_"))
+        _ran_loader(result, workflow, "WanVACEExpertsLoader")
+        assert torch.equal(latent, reference), folder
+
+
+def test_a_pipeline_folder_linked_into_models_diffusers_is_listed_and_loads(comfy_server, linked_models):
+    import torch
+
+    options = comfy_server.object_info("WanVACEModelLoader")["WanVACEModelLoader"]["input"]["required"]
+    assert linked_models["pipeline"] in options["model_name"][1]["options"]
+    _, reference = _saved_latent(comfy_server, _t2v(), "in_place")
+    workflow = _t2v()
+    workflow[_node_id(workflow, "WanVACEModelLoader")]["inputs"]["model_name"] = linked_models["pipeline"]
+    result, latent = _saved_latent(comfy_server, workflow, "linked")
+    _ran_loader(result, workflow, "WanVACEModelLoader")
+    assert torch.equal(latent, reference)
+
+
+def test_nan_boundary_ratio_of_the_experts_loader_is_refused_once_at_queue_time(comfy_server):
+    workflow, node_id = _with(_i2v_fp8(), "WanVACEExpertsLoader", boundary_ratio=NAN)
+    error = _refused_once(comfy_server, workflow, node_id, "boundary_ratio", "Value nan smaller than min of 0.0")
+    assert error["type"] == "value_smaller_than_min"
+
+
+def test_parallel_timeout_below_its_minimum_is_refused_before_any_worker_starts(comfy_server):
+    workflow = _t2v()
+    workflow["800"] = {
+        "class_type": "WanVACEParallelOptions",
+        "inputs": {
+            "devices": "cpu,cpu",
+            "shard": "fsdp",
+            "replicate_size": 1,
+            "ulysses_degree": 1,
+            "cfg_parallel": False,
+            "launcher": "local",
+            "endpoint": "127.0.0.1:29511",
+            "timeout_s": 0.5,
+        },
+    }
+    workflow[_node_id(workflow, "WanVACEModelLoader")]["inputs"]["parallel"] = ["800", 0]
+    workers_before = _worker_processes()
+    _refused_once(comfy_server, workflow, "800", "timeout_s", "Value 0.5 smaller than min of 1.0")
+    assert _worker_processes() == workers_before
+    nan = json.loads(json.dumps(workflow))
+    nan["800"]["inputs"]["timeout_s"] = NAN
+    _refused_once(comfy_server, nan, "800", "timeout_s", "Value nan smaller than min of 1.0")
+
+
+def _worker_processes() -> set[int]:
+    """Pids of running parallel workers (`python -m wanvace_core.worker`)."""
+    found = set()
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if b"wanvace_core.worker" in cmdline.read_bytes():
+                found.add(int(cmdline.parent.name))
+        except OSError:
+            continue
+    return found
