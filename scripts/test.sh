@@ -1,18 +1,35 @@
 #!/usr/bin/env bash
 # Set up (idempotent) and run the whole test suite once per tested dependency set (scripts/sets/):
 #   oldest  = ComfyUI 0.3.75, torch 2.8, transformers 4.57, diffusers 0.36
-#   current = ComfyUI 0.33 ($COMFYUI_DIR, else ../shared/comfyui/), torch 2.11, transformers 5, diffusers 0.42
+#   current = ComfyUI 0.33 ($COMFYUI_DIR, the ComfyUI this clone is installed in, else ../shared/comfyui/),
+#             torch 2.11, transformers 5, diffusers 0.42
 # Extra arguments go to pytest. WANVACE_SETS="current" runs one set. Exits non-zero if any set fails.
+# Ends with each set's time and passed / skipped / failed counts; pytest lists each set's 15 slowest tests.
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
 read -r -a SETS <<<"${WANVACE_SETS:-oldest current}"
+run_start=$SECONDS
 bash scripts/setup.sh "${SETS[@]}" || exit 1
+setup_s=$((SECONDS - run_start))
+
+# "N passed, M skipped, ..." from pytest's closing line, as "passed N, skipped M, failed K" (zeros included).
+counts_of() {
+    local line="$1" kind out=""
+    for kind in passed skipped failed error; do
+        local n
+        n="$(grep -oE "[0-9]+ ${kind}" <<<"$line" | grep -oE '^[0-9]+' || true)"
+        out+="${out:+, }${n:-0} ${kind}"
+    done
+    printf '%s' "$out"
+}
 
 status=0
 summary=()
+logs="$(mktemp -d)"
+trap 'rm -rf "$logs"' EXIT
 for set in "${SETS[@]}"; do
     comfy="$ROOT/.cache/comfyui-$set"
     skip_reason=""
@@ -26,12 +43,21 @@ for set in "${SETS[@]}"; do
     printf '\n===== %s set: %s =====\n' "$set" "$(grep -Ev '^#' "scripts/sets/$set.txt" | tr '\n' ' ')"
     start=$SECONDS
     WANVACE_SET="$set" WANVACE_COMFY_DIR="$comfy" WANVACE_COMFY_SKIPPED="$skip_reason" \
-        "$ROOT/.venvs/$set/bin/python" -m pytest tests -p no:cacheprovider -ra "$@"
-    rc=$?
-    summary+=("$set: pytest exit $rc in $((SECONDS - start)) s${skip_reason:+ (ComfyUI tests skipped: $skip_reason)}")
+        "$ROOT/.venvs/$set/bin/python" -m pytest tests -p no:cacheprovider -ra --durations=15 "$@" \
+        2>&1 | tee "$logs/$set.log"
+    rc=${PIPESTATUS[0]}
+    closing="$(grep -E '^=+ .*(passed|failed|skipped|error|no tests ran).* in [0-9.]+s' "$logs/$set.log" | tail -n1)"
+    line="$set: $(counts_of "$closing") in $((SECONDS - start)) s (pytest exit $rc)"
+    if [ -n "$skip_reason" ]; then
+        line+="; the ComfyUI server tests were skipped: $skip_reason"
+    fi
+    summary+=("$line")
+    # Exit 5 is "no tests ran": a set that tests nothing has failed too.
     if [ "$rc" -ne 0 ]; then status=1; fi
 done
 
 printf '\n===== summary =====\n'
+printf 'setup: %s s\n' "$setup_s"
 printf '%s\n' "${summary[@]}"
+printf 'total: %s s\n' "$((SECONDS - run_start))"
 exit "$status"

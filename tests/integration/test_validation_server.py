@@ -339,9 +339,18 @@ def linked_models(comfy_base, tmp_path_factory):
 
 
 def _saved_latent(server, workflow: dict, prefix: str):
+    """Runs only what the sampler needs (2 steps), saving its latent: enough to show a model loads and samples."""
     from safetensors.torch import load_file
 
     sampler = _node_id(workflow, "WanVACESampler")
+    needed, todo = set(), [sampler]
+    while todo:
+        node_id = todo.pop()
+        if node_id not in needed:
+            needed.add(node_id)
+            todo += [value[0] for value in workflow[node_id]["inputs"].values() if isinstance(value, list)]
+    workflow = {node_id: node for node_id, node in workflow.items() if node_id in needed}
+    workflow[sampler]["inputs"]["steps"] = 2
     workflow["990"] = {
         "class_type": "SaveLatent",
         "inputs": {"samples": [sampler, 0], "filename_prefix": f"wanvace_model_files/{prefix}"},
