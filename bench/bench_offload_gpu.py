@@ -1,17 +1,22 @@
 """Peak VRAM and per-step time of the A14B expert architecture under each offload mode (needs CUDA).
 
     .venvs/current/bin/python bench/bench_offload_gpu.py [--height 480 --width 832 --frames 81 --steps 3 --prefetch 1]
+    .venvs/current/bin/python bench/bench_offload_gpu.py --device cpu --tiny    # CPU check of the logic, seconds
 
 Builds two Wan2.2-VACE-Fun-A14B-sized experts (40 blocks + 8 VACE blocks, dim 5120) with random bf16
 weights (no download; both experts share one host copy of the weights, so host RAM holds ~35 GB),
 runs `--steps` CFG denoising steps per mode (high-noise expert for the first half, low-noise for the
 rest) and prints per-step time, peak VRAM, host RSS (private and file-backed) and the layerwise/none
-overhead. Without CUDA it says so and exits.
+overhead. `--json PATH` also writes the rows (bench/gpu_check.sh's table), rewritten after each mode so a run
+stopped by its time limit keeps the modes it finished. `--device cpu --tiny`: a tiny config of the same
+architecture on the CPU "device" (every mode, outputs compared bitwise; times mean nothing). Without CUDA (and
+without `--device cpu`) it says so and exits.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -42,22 +47,34 @@ A14B = {
     "vace_layers": list(range(0, 40, 5)),
     "vace_in_channels": 96,
 }
+# The same architecture, small enough for a CPU check of the benches' logic (bench/gpu_check.sh runs it).
+TINY = {
+    **A14B,
+    "num_attention_heads": 2,
+    "attention_head_dim": 32,
+    "text_dim": 64,
+    "freq_dim": 32,
+    "ffn_dim": 128,
+    "num_layers": 4,
+    "vace_layers": [0, 2],
+}
+TEXT_TOKENS = 512  # umt5's padded prompt length
 
 
-def _expert_pair(dtype: torch.dtype):
+def _expert_pair(config: dict, dtype: torch.dtype, device: torch.device):
     """Two experts on the CPU whose parameters share one set of random host tensors."""
     from accelerate import init_empty_weights
     from diffusers import WanVACETransformer3DModel
 
     keep_fp32 = set(WanVACETransformer3DModel._keep_in_fp32_modules)
     with init_empty_weights(include_buffers=False):
-        first = WanVACETransformer3DModel(**A14B)
-        second = WanVACETransformer3DModel(**A14B)
-    generator = torch.Generator("cuda").manual_seed(0)
+        first = WanVACETransformer3DModel(**config)
+        second = WanVACETransformer3DModel(**config)
+    generator = torch.Generator(device).manual_seed(0)
     for (name, param), (_, twin) in zip(first.named_parameters(), second.named_parameters(), strict=True):
         target = torch.float32 if keep_fp32 & set(name.split(".")) else dtype
         # Random numbers are drawn on the GPU (fast) and kept in host memory.
-        host = torch.empty(param.shape, dtype=target, device="cuda").normal_(0, 0.02, generator=generator).cpu()
+        host = torch.empty(param.shape, dtype=target, device=device).normal_(0, 0.02, generator=generator).cpu()
         param_host = torch.nn.Parameter(host, requires_grad=False)
         for module, leaf in ((first, name), (second, name)):
             owner = module.get_submodule(leaf.rpartition(".")[0]) if "." in leaf else module
@@ -69,33 +86,38 @@ def _expert_pair(dtype: torch.dtype):
     return first, second
 
 
-def _inputs(args, dtype):
+def _inputs(args, config: dict, dtype, device: torch.device, text_tokens: int):
     frames = (args.frames - 1) // 4 + 1
-    shape = (1, 16, frames, args.height // 8, args.width // 8)
-    device = "cuda"
+    shape = (1, config["in_channels"], frames, args.height // 8, args.width // 8)
     return {
         "hidden_states": torch.randn(shape, device=device, dtype=dtype),
         "timestep": torch.tensor([900], device=device),
-        "encoder_hidden_states": torch.randn(1, 512, 4096, device=device, dtype=dtype),
-        "control_hidden_states": torch.randn((1, 96, *shape[2:]), device=device, dtype=dtype),
-        "control_hidden_states_scale": torch.ones(8, device=device, dtype=dtype),
+        "encoder_hidden_states": torch.randn(1, text_tokens, config["text_dim"], device=device, dtype=dtype),
+        "control_hidden_states": torch.randn((1, config["vace_in_channels"], *shape[2:]), device=device, dtype=dtype),
+        "control_hidden_states_scale": torch.ones(len(config["vace_layers"]), device=device, dtype=dtype),
         "return_dict": False,
     }
 
 
-def _run_mode(mode: str, experts, inputs, args) -> dict:
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _run_mode(mode: str, experts, inputs, args, device: torch.device) -> dict:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     components = dict(zip(EXPERTS, experts, strict=True))
     offloader = None
     if mode == "none":
         for expert in experts:
-            expert.to("cuda")
+            expert.to(device)
     else:
         options = OffloadOptions(mode=mode, prefetch_blocks=args.prefetch, max_pinned_mb=args.max_pinned_mb)
-        offloader = Offloader(components, options, device="cuda")
+        offloader = Offloader(components, options, device=device)
     try:
-        return _measure(experts, inputs, args, mode)
+        return _measure(experts, inputs, args, mode, device)
     finally:
         if offloader is not None:
             offloader.close()
@@ -104,23 +126,23 @@ def _run_mode(mode: str, experts, inputs, args) -> dict:
                 expert.to("cpu")
 
 
-def _measure(experts, inputs, args, mode: str) -> dict:
+def _measure(experts, inputs, args, mode: str, device: torch.device) -> dict:
     step_times, outputs = [], []
     for step in range(args.steps):
         expert = experts[0] if step < (args.steps + 1) // 2 else experts[1]
-        torch.cuda.synchronize()
+        _sync(device)
         start = time.perf_counter()
         with torch.no_grad():
             cond = expert(**inputs)[0]
             uncond = expert(**inputs)[0]
             outputs.append((uncond + 5.0 * (cond - uncond)).float().cpu())
-        torch.cuda.synchronize()
+        _sync(device)
         step_times.append(time.perf_counter() - start)
     result = {
         "mode": mode,
         "first_step_s": step_times[0],
         "median_step_s": statistics.median(step_times[1:] or step_times),
-        "peak_vram_gb": torch.cuda.max_memory_allocated() / 2**30,
+        "peak_vram_gb": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
         "host_private_gb": read_status()["RssAnon"] / 2**30,
         "host_file_gb": read_status()["RssFile"] / 2**30,
         "output": outputs[-1],
@@ -128,22 +150,61 @@ def _measure(experts, inputs, args, mode: str) -> dict:
     return result
 
 
+def _rows(results: dict) -> list[dict]:
+    """The rows of bench/gpu_check.sh's table: per mode, its step time and peak VRAM, and the ratios to `none`."""
+    rows = []
+    for mode, r in results.items():
+        ratios, note = {}, ""
+        if mode != "none" and "none" in results:
+            ratios["step/none"] = r["median_step_s"] / results["none"]["median_step_s"]
+            peak, base_peak = r["peak_vram_gb"], results["none"]["peak_vram_gb"]
+            if peak is not None and base_peak:
+                ratios["VRAM/none"] = peak / base_peak
+            note = "bitwise = none" if torch.equal(r["output"], results["none"]["output"]) else "DIFFERS from none"
+        rows.append(
+            {"row": mode, "seconds": r["median_step_s"], "peak_gib": r["peak_vram_gb"], "ratios": ratios, "note": note}
+        )
+    return rows
+
+
+def _write_json(path: str | None, config_text: str, device: torch.device, results: dict) -> None:
+    if path:
+        report = {
+            "bench": "offload",
+            "device": device.type,
+            "config": config_text,
+            "time_unit": "s/step",
+            "rows": _rows(results),
+        }
+        Path(path).write_text(json.dumps(report, indent=1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--height", type=int, default=480)
-    parser.add_argument("--width", type=int, default=832)
-    parser.add_argument("--frames", type=int, default=81)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: with --tiny, the logic")
+    parser.add_argument("--tiny", action="store_true", help="a tiny config of the same architecture (default 64x64x9)")
+    parser.add_argument("--height", type=int, default=None, help="pixels (default 480; --tiny 64)")
+    parser.add_argument("--width", type=int, default=None, help="pixels (default 832; --tiny 64)")
+    parser.add_argument("--frames", type=int, default=None, help="4n+1 (default 81; --tiny 9)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--prefetch", type=int, default=1)
     parser.add_argument("--max-pinned-mb", type=int, default=0)
     parser.add_argument("--modes", default="none,model,layerwise")
+    parser.add_argument("--json", help="also write the rows here as JSON (bench/gpu_check.sh's table)")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
+    for name, full, tiny in (("height", 480, 64), ("width", 832, 64), ("frames", 81, 9)):
+        if getattr(args, name) is None:
+            setattr(args, name, tiny if args.tiny else full)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: nothing measured")
         return
-    print(f"device: {torch.cuda.get_device_name()}; {args.width}x{args.height}x{args.frames}, {args.steps} CFG steps")
-    experts = _expert_pair(torch.bfloat16)
-    inputs = _inputs(args, torch.bfloat16)
+    config, text_tokens = (TINY, 16) if args.tiny else (A14B, TEXT_TOKENS)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    config_text = f"{args.width}x{args.height}x{args.frames}, {args.steps} CFG steps" + (", tiny" if args.tiny else "")
+    print(f"device: {name}; {config_text}")
+    experts = _expert_pair(config, torch.bfloat16, device)
+    inputs = _inputs(args, config, torch.bfloat16, device, text_tokens)
     expert_gb = sum(p.numel() * p.element_size() for p in experts[0].parameters()) / 2**30
     print(
         f"one expert's weights: {expert_gb:.1f} GB. The two experts share one set of weights here, so `none` "
@@ -152,18 +213,20 @@ def main() -> None:
     results = {}
     for mode in args.modes.split(","):
         try:
-            results[mode] = _run_mode(mode, experts, inputs, args)
+            results[mode] = _run_mode(mode, experts, inputs, args, device)
         except torch.cuda.OutOfMemoryError:
             print(f"{mode:10s} out of memory")
             for expert in experts:
                 expert.to("cpu")
             continue
         r = results[mode]
+        vram = f"peak VRAM {r['peak_vram_gb']:6.1f} GB  " if r["peak_vram_gb"] is not None else ""
         print(
-            f"{mode:10s} step {r['median_step_s']:7.2f} s (first {r['first_step_s']:6.2f} s)  "
-            f"peak VRAM {r['peak_vram_gb']:6.1f} GB  host private {r['host_private_gb']:5.1f} GB  "
-            f"file-backed {r['host_file_gb']:5.1f} GB"
+            f"{mode:10s} step {r['median_step_s']:7.2f} s (first {r['first_step_s']:6.2f} s)  {vram}"
+            f"host private {r['host_private_gb']:5.1f} GB  file-backed {r['host_file_gb']:5.1f} GB",
+            flush=True,
         )
+        _write_json(args.json, config_text, device, results)
     if "none" in results:
         for mode in ("model", "layerwise"):
             if mode in results:

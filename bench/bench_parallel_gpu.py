@@ -2,6 +2,7 @@
 
     .venvs/current/bin/python bench/bench_parallel_gpu.py [--gpus N] [--height 720 --width 1280 --frames 81]
                                                           [--layers 40] [--steps 2]
+    .venvs/current/bin/python bench/bench_parallel_gpu.py --device cpu --tiny    # CPU check of the logic (gloo)
 
 One Wan2.2-VACE-Fun-A14B expert (dim 5120, 40 heads, ffn 13824, VACE blocks every fifth layer; `--layers`
 shortens it for a quick look) with random bf16 weights, one CFG step = two forwards (cond, uncond). The
@@ -14,7 +15,9 @@ prints the table and the speed-up over one GPU, measured in this one run:
 - `N GPUs, fsdp + cfg + ulysses N/2`: the two CFG branches on separate halves.
 
 Weights are drawn on each rank for its own shard (no files: loading is measured by bench_load.py and
-tested in tests/test_parallel_sharding.py).
+tested in tests/test_parallel_sharding.py). `--json PATH` also writes the rows (bench/gpu_check.sh's table).
+`--device cpu --tiny`: the same driver and ranks on one CPU worker over gloo with a tiny config of the
+architecture (the `1 GPU` and `sharded (world 1)` rows; times mean nothing), to check the logic in seconds.
 """
 
 from __future__ import annotations
@@ -34,11 +37,19 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.bench_offload_gpu import A14B  # noqa: E402 - the one A14B config of the GPU benches
+from bench.bench_offload_gpu import A14B, TEXT_TOKENS, TINY  # noqa: E402 - the one A14B config of the GPU benches
 
 
-def _config(layers: int) -> dict:
+def _config(spec: dict) -> dict:
+    if spec["tiny"]:
+        return TINY
+    layers = spec["layers"]
     return {**A14B, "num_layers": layers, "vace_layers": list(range(0, layers, 5))}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _rank_run(spec: dict) -> None:
@@ -54,22 +65,27 @@ def _rank_run(spec: dict) -> None:
     from wanvace_core.parallel.sharding import local_shard_bytes, shard_expert
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-    torch.cuda.set_device(device)
+    cuda = spec["device"] == "cuda"
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
     store, _, _ = next(dist.rendezvous("env://"))
     cfg_size = 2 if spec["cfg_parallel"] else 1
     branch_size = world // cfg_size
     branch, branch_rank = rank // branch_size, rank % branch_size
     dist.init_process_group(
-        "nccl", store=dist.PrefixStore(f"branch{branch}/", store), rank=branch_rank, world_size=branch_size
+        "nccl" if cuda else "gloo",
+        store=dist.PrefixStore(f"branch{branch}/", store),
+        rank=branch_rank,
+        world_size=branch_size,
     )
     dtype = torch.bfloat16
-    config = _config(spec["layers"])
+    config = _config(spec)
     if spec["shard"]:
         with init_empty_weights(include_buffers=False):
             expert = WanVACETransformer3DModel(**config)
         rope = {name: buffer for name, buffer in expert.named_buffers()}
-        shard_expert(expert, init_device_mesh("cuda", (branch_size,)), dtype=dtype)
+        shard_expert(expert, init_device_mesh(device.type, (branch_size,)), dtype=dtype)
         expert.to_empty(device=device)
         for name, buffer in rope.items():
             owner, _, attr = name.rpartition(".")
@@ -90,11 +106,12 @@ def _rank_run(spec: dict) -> None:
     )
 
     frames = (spec["frames"] - 1) // 4 + 1
-    shape = (1, 16, frames, spec["height"] // 8, spec["width"] // 8)
+    shape = (1, config["in_channels"], frames, spec["height"] // 8, spec["width"] // 8)
     generator = torch.Generator(device).manual_seed(0)  # the same inputs on every rank
     latents = torch.randn(shape, device=device, dtype=dtype, generator=generator)
-    control = torch.randn((1, 96, *shape[2:]), device=device, dtype=dtype, generator=generator)
-    text = torch.randn(1, 512, 4096, device=device, dtype=dtype, generator=generator)
+    control = torch.randn((1, config["vace_in_channels"], *shape[2:]), device=device, dtype=dtype, generator=generator)
+    text_tokens = 16 if spec["tiny"] else TEXT_TOKENS
+    text = torch.randn(1, text_tokens, config["text_dim"], device=device, dtype=dtype, generator=generator)
     common = {
         "hidden_states": latents,
         "timestep": torch.tensor([900], device=device),
@@ -117,16 +134,16 @@ def _rank_run(spec: dict) -> None:
     times = []
     with torch.no_grad():
         for step in range(spec["steps"] + 1):  # the first is a warm-up
-            torch.cuda.synchronize()
+            _sync(device)
             dist.barrier()
             start = time.perf_counter()
             guidance.predict(expert, 5.0, Cond, common)
-            torch.cuda.synchronize()
+            _sync(device)
             if step:
                 times.append(time.perf_counter() - start)
     result = {
         "rank": rank,
-        "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+        "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
         "held_gib": held / 2**30,
         "step_s": statistics.median(times),
     }
@@ -140,6 +157,12 @@ def _rank_run(spec: dict) -> None:
     if rank == 0:
         Path(spec["out"]).write_text(json.dumps(results))
     dist.destroy_process_group()
+    # Done and written: skip the interpreter's teardown of torch's distributed threads, as tests/distributed.py
+    # does. A worker aborted once in a dry run on a loaded 2-core machine ("terminate called without an active
+    # exception", not reproduced in 8 runs since), which the driver then counts as a failed configuration.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _run(name: str, gpus: int, spec: dict, out_dir: Path) -> dict | None:
@@ -159,61 +182,98 @@ def _run(name: str, gpus: int, spec: dict, out_dir: Path) -> dict | None:
     started = time.monotonic()
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode != 0 or not out.exists():
-        print(f"[parallel bench] {name}: FAILED (exit {done.returncode})\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+        when = "after rank 0 wrote its results" if out.exists() else "before rank 0 wrote its results"
+        print(
+            f"[parallel bench] {name}: FAILED (exit {done.returncode}, {when})\n{done.stdout[-3000:]}\n"
+            f"{done.stderr[-3000:]}"
+        )
         return None
     ranks = json.loads(out.read_text())
+    peaks = [r["peak_gib"] for r in ranks if r["peak_gib"] is not None]
     row = {
         "name": name,
         "gpus": gpus,
         "step_s": max(r["step_s"] for r in ranks),
-        "peak_gib": [round(r["peak_gib"], 1) for r in ranks],
+        "peak_gib": [round(peak, 1) for peak in peaks],
+        "max_peak_gib": max(peaks) if peaks else None,
         "held_gib": [round(r["held_gib"], 1) for r in ranks],
         "wall_s": time.monotonic() - started,
     }
+    vram = f", peak VRAM per GPU {row['peak_gib']} GiB" if peaks else ""
     print(
-        f"[parallel bench] {name}: {row['step_s']:.2f} s/step, peak VRAM per GPU {row['peak_gib']} GiB "
-        f"(weights held {row['held_gib']} GiB)",
+        f"[parallel bench] {name}: {row['step_s']:.2f} s/step{vram} (weights held {row['held_gib']} GiB)",
         flush=True,
     )
     return row
 
 
+def _write_json(path: str | None, device: str, config: str, rows: list) -> None:
+    """bench/gpu_check.sh's rows: per configuration, step time, the largest per-GPU peak and the speed-up."""
+    if not path:
+        return
+    baseline = rows[0]
+    table = []
+    for row in rows:
+        if row is None:
+            continue
+        ratios = {} if baseline is None or row is baseline else {"speed-up": baseline["step_s"] / row["step_s"]}
+        table.append({"row": row["name"], "seconds": row["step_s"], "peak_gib": row["max_peak_gib"], "ratios": ratios})
+    report = {"bench": "parallel", "device": device, "config": config, "time_unit": "s/step", "rows": table}
+    Path(path).write_text(json.dumps(report, indent=1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: with --tiny, the logic")
+    parser.add_argument("--tiny", action="store_true", help="a tiny config of the architecture (default 64x64x9)")
     parser.add_argument("--gpus", type=int, default=None, help="GPUs for the parallel rows (default: all)")
-    parser.add_argument("--height", type=int, default=720)
-    parser.add_argument("--width", type=int, default=1280)
-    parser.add_argument("--frames", type=int, default=81)
-    parser.add_argument("--layers", type=int, default=40)
+    parser.add_argument("--height", type=int, default=None, help="pixels (default 720; --tiny 64)")
+    parser.add_argument("--width", type=int, default=None, help="pixels (default 1280; --tiny 64)")
+    parser.add_argument("--frames", type=int, default=None, help="4n+1 (default 81; --tiny 9)")
+    parser.add_argument("--layers", type=int, default=40, help="A14B blocks (not with --tiny)")
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--json", help="also write the rows here as JSON (bench/gpu_check.sh's table)")
     parser.add_argument("--rank-run", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_run:
         _rank_run(json.loads(args.rank_run))
         return
-    if not torch.cuda.is_available():
+    for name, full, tiny in (("height", 720, 64), ("width", 1280, 64), ("frames", 81, 9)):
+        if getattr(args, name) is None:
+            setattr(args, name, tiny if args.tiny else full)
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
         print("[parallel bench] no CUDA device: nothing measured")
         return
-    gpus = args.gpus or torch.cuda.device_count()
+    # On the CPU one worker: the rows a one-GPU machine runs (several CPU workers are tests/test_parallel_*.py's).
+    gpus = (args.gpus or torch.cuda.device_count()) if cuda else 1
+    unit = "GPU" if cuda else "CPU worker"
     base = {
+        "device": args.device,
+        "tiny": args.tiny,
         "height": args.height,
         "width": args.width,
         "frames": args.frames,
-        "layers": args.layers,
+        "layers": TINY["num_layers"] if args.tiny else args.layers,
         "steps": args.steps,
     }
     tokens = ((args.frames - 1) // 4 + 1) * (args.height // 16) * (args.width // 16)
+    what = "tiny config" if args.tiny else "A14B expert"
+    config = f"{what}, {base['layers']} layers, {args.width}x{args.height}x{args.frames}, {args.steps} CFG steps"
     print(
-        f"[parallel bench] A14B expert, {args.layers} layers, {args.width}x{args.height}x{args.frames} "
-        f"({tokens} tokens), bf16, one CFG step = 2 forwards; {gpus} GPU(s)",
+        f"[parallel bench] {what}, {base['layers']} layers, {args.width}x{args.height}x{args.frames} "
+        f"({tokens} tokens), bf16, one CFG step = 2 forwards; {gpus} {unit}(s)",
         flush=True,
     )
     with tempfile.TemporaryDirectory() as out_dir:
         out = Path(out_dir)
-        rows = [_run("1 GPU", 1, {**base, "shard": False, "ulysses": 1, "cfg_parallel": False}, out)]
+        rows = [_run(f"1 {unit}", 1, {**base, "shard": False, "ulysses": 1, "cfg_parallel": False}, out)]
+        _write_json(args.json, args.device, config, rows)
         if gpus == 1:
             rows.append(
-                _run("1 GPU, sharded (world 1)", 1, {**base, "shard": True, "ulysses": 1, "cfg_parallel": False}, out)
+                _run(
+                    f"1 {unit}, sharded (world 1)", 1, {**base, "shard": True, "ulysses": 1, "cfg_parallel": False}, out
+                )
             )
         else:
             rows.append(
@@ -236,10 +296,12 @@ def main() -> None:
     baseline = rows[0]
     if baseline is None:
         sys.exit(1)
+    _write_json(args.json, args.device, config, rows)
     for row in rows[1:]:
         if row is not None:
             print(
-                f"[parallel bench] speed-up of '{row['name']}' over '1 GPU': {baseline['step_s'] / row['step_s']:.2f}x"
+                f"[parallel bench] speed-up of '{row['name']}' over '{baseline['name']}': "
+                f"{baseline['step_s'] / row['step_s']:.2f}x"
             )
     if any(row is None for row in rows):
         sys.exit(1)

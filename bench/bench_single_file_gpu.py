@@ -19,13 +19,16 @@ Each format runs `--steps` CFG steps (two expert calls per step) per size, one f
 it prints the median step time (the first step is warm-up), peak VRAM, the weight bytes resident on the
 device, and the ratios to bf16 measured side by side in the same run. Sizes after the first run only if
 all formats are predicted to fit `--max-seconds` (from the first size's step times, scaled by the square
-of the token count). Without CUDA (and without `--device cpu`) it prints "no CUDA device" and exits 0.
+of the token count). `--json PATH` also writes the table's rows (bench/gpu_check.sh's table), rewritten after
+each measurement so a run stopped by its time limit keeps what it finished. Without CUDA (and without
+`--device cpu`) it prints "no CUDA device" and exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import statistics
 import sys
 import time
@@ -255,6 +258,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=3, help="CFG steps per format and size (first is warm-up)")
     parser.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated of {', '.join(FORMATS)}")
     parser.add_argument("--max-seconds", type=float, default=120.0, help="sizes after the first must fit this")
+    parser.add_argument("--json", help="also write the rows here as JSON (bench/gpu_check.sh's table)")
     args = parser.parse_args()
     started = time.perf_counter()
     device = torch.device(args.device)
@@ -304,6 +308,7 @@ def main() -> int:
                 del inputs
             result.update(build_s=build_s, weights=weights, kept=kept)
             results[(fmt, size)] = result
+            _write_json(args, device, results, formats, sizes)
             peak = result["peak_vram"]
             vram = f"peak VRAM {_size(peak)} (above the weights {_size(peak - weights)})" if peak else ""
             print(
@@ -336,6 +341,42 @@ def _plan_sizes(config, sizes, first: dict, formats, args, elapsed: float) -> li
         else:
             print(f"{label}: skipped: predicted {cost:.0f} s for all formats, over the {args.max_seconds:.0f} s budget")
     return enabled
+
+
+def _rows(results: dict, formats, sizes) -> list[dict]:
+    """bench/gpu_check.sh's rows: per size and format, step time, peak VRAM and the ratios to bf16."""
+    rows = []
+    for size in sizes:
+        base = results.get(("bf16", size))
+        for fmt in formats:
+            run = results.get((fmt, size))
+            if run is None or base is None:
+                continue
+            ratios, note = {}, ""
+            if fmt != "bf16":
+                ratios["step/bf16"] = run["step_s"] / base["step_s"]
+                if run["peak_vram"] and base["peak_vram"]:
+                    ratios["VRAM/bf16"] = run["peak_vram"] / base["peak_vram"]
+                ratios["weights/bf16"] = run["weights"] / base["weights"]
+                note = f"out rel err {_relative_error(run['output'], base['output']):.4f}"
+            peak = run["peak_vram"] / 2**30 if run["peak_vram"] else None
+            label = f"{'x'.join(map(str, size))} {fmt}"
+            rows.append({"row": label, "seconds": run["step_s"], "peak_gib": peak, "ratios": ratios, "note": note})
+    return rows
+
+
+def _write_json(args, device: torch.device, results: dict, formats, sizes) -> None:
+    if args.json:
+        config = f"{'tiny config' if args.tiny else 'A14B expert'}, {args.steps} CFG steps"
+        rows = _rows(results, formats, sizes)
+        report = {
+            "bench": "single-file formats",
+            "device": device.type,
+            "config": config,
+            "time_unit": "s/step",
+            "rows": rows,
+        }
+        Path(args.json).write_text(json.dumps(report, indent=1))
 
 
 def _print_table(results: dict, formats, sizes) -> None:

@@ -10,7 +10,7 @@ allocator returns every freed large block to the system (MALLOC_MMAP_THRESHOLD_)
 live tensors; the peak is VmHWM after /proc/self/clear_refs reset it, minus the RSS before the decode.
 GPU: torch.cuda.max_memory_allocated during the decode minus what was allocated before it (the weights and
 latents), both decodes in one process. Prints both peaks, their ratio, the estimates, time and the PSNR of
-the tiled frames against the untiled ones.
+the tiled frames against the untiled ones; `--json PATH` also writes them as rows (bench/gpu_check.sh's table).
 """
 
 from __future__ import annotations
@@ -149,6 +149,7 @@ def main() -> None:
     parser.add_argument("--overlap", type=int, help="tile overlap pixels (default: 16 on cpu, 64 on cuda)")
     parser.add_argument("--dtype", choices=DTYPES, help="VAE dtype (default: fp32 on cpu, bf16 on cuda)")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads of each decode subprocess")
+    parser.add_argument("--json", help="also write the rows here as JSON (bench/gpu_check.sh's table)")
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -186,6 +187,22 @@ def main() -> None:
     print(
         f"tiled/untiled peak {ratio:.3f}; tiled frames vs untiled PSNR {psnr:.1f} dB, shape {tuple(frames['on'].shape)}"
     )
+    if args.json:
+        rows = []
+        for mode, label in (("off", "untiled"), ("on", f"tiled {args.tile_size}/{args.overlap} px")):
+            result = results[mode]
+            ratios = {"estimate/measured": estimates[mode] / result["peak"]}
+            note = ""
+            if mode == "on":
+                ratios["peak/untiled"] = ratio
+                ratios["time/untiled"] = result["seconds"] / results["off"]["seconds"]
+                note = f"PSNR {psnr:.1f} dB vs untiled"
+            # On the CPU the peak is private host memory, not VRAM: the VRAM column leaves it out.
+            peak = result["peak"] / 2**30 if cuda else None
+            rows.append({"row": label, "seconds": result["seconds"], "peak_gib": peak, "ratios": ratios, "note": note})
+        config = f"{args.frames} frames at {args.width}x{args.height}, {args.dtype}; peak above weights and latents"
+        report = {"bench": "VAE tiling", "device": args.device, "config": config, "time_unit": "s/decode", "rows": rows}
+        Path(args.json).write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":
