@@ -7,8 +7,10 @@ Kept free of pytest imports so demo scripts can reuse it.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -67,9 +69,24 @@ _STATUS_EVENTS = {
 
 
 def free_port() -> int:
+    """A port nothing listens on right now. Another process may take it before ComfyUI binds it: `ComfyServer.start`
+    then retries on another one."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# What ComfyUI logs when its port is taken: 0.33 its own line, 0.3.75 asyncio's OSError.
+_PORT_IN_USE = re.compile(r"Port \d+ is already in use|address already in use", re.IGNORECASE)
+
+
+def core_prompt(tag: int = 0) -> dict:
+    """A prompt of two core nodes (EmptyImage -> PreviewImage) that runs in milliseconds; prompts of another `tag`
+    differ in an input, so none is served from ComfyUI's output cache."""
+    return {
+        "1": {"class_type": "EmptyImage", "inputs": {"width": 8, "height": 8, "batch_size": 1, "color": int(tag)}},
+        "2": {"class_type": "PreviewImage", "inputs": {"images": ["1", 0]}},
+    }
 
 
 def _file_entries(outputs: dict) -> Iterable[dict]:
@@ -88,6 +105,10 @@ def _file_entries(outputs: dict) -> Iterable[dict]:
             for item in value:
                 if isinstance(item, dict) and "filename" in item:
                     yield item
+
+
+class _PortTaken(Exception):
+    """ComfyUI exited at start because another process listens on its port."""
 
 
 @dataclass
@@ -129,6 +150,32 @@ class RunResult:
     def executed_nodes(self) -> list[str]:
         return [d.get("node") for d in self.events_of("executed")]
 
+    def started_nodes(self) -> list[str]:
+        """Nodes ComfyUI started in this prompt (an `executing` event each)."""
+        return [d["node"] for d in self.events_of("executing") if d.get("node") is not None]
+
+    def cached_nodes(self) -> list[str]:
+        """Nodes ComfyUI served from its output cache instead of running them: the `execution_cached` event's list."""
+        return [node for d in self.events_of("execution_cached") for node in d.get("nodes", [])]
+
+    def assert_ran(self, *node_ids: str) -> Self:
+        """This result, after checking that each of `node_ids` really ran in its prompt.
+
+        For every test that compares outputs of two prompts: ComfyUI keys cached outputs on a node's inputs (and
+        those of the nodes upstream), not on its id, so a node whose inputs equal those of a node of an earlier
+        prompt still in the cache is not run: its output is the earlier one, and comparing the two compares a
+        result with itself. Raises AssertionError naming the nodes ComfyUI listed in `execution_cached` or never
+        started.
+        """
+        cached = [node for node in node_ids if node in self.cached_nodes()]
+        not_run = [node for node in node_ids if node not in cached and node not in self.started_nodes()]
+        if self.status == "rejected" or cached or not_run:
+            raise AssertionError(
+                f"prompt {self.prompt_id} ({self.status}): nodes {cached} were served from ComfyUI's output cache, "
+                f"{not_run} did not run; change an input of each (a seed, say) to have it run again"
+            )
+        return self
+
     def output_files(self, include_temp: bool = False) -> list[Path]:
         if self.base_dir is None:
             return []
@@ -153,11 +200,17 @@ class ComfyServer:
         port: int | None = None,
         extra_args: Iterable[str] = (),
         env: dict[str, str] | None = None,
+        models_from: Path | None = None,
     ):
+        """`models_from`: another base directory whose `models/` this server uses (`prepare` links it), for a
+        server that needs flags or a process of its own but the same model files."""
         self.base_dir = Path(base_dir).resolve()
         self.comfy_dir = Path(comfy_dir)
         self.python = str(python)
+        # A port we picked may be taken before ComfyUI binds it; start() then picks another. A given one is kept.
+        self._picks_port = port is None
         self.port = port or free_port()
+        self.models_from = None if models_from is None else Path(models_from).resolve()
         self.extra_args = list(extra_args)
         self.extra_env = dict(env or {})
         self.proc: subprocess.Popen | None = None
@@ -172,6 +225,10 @@ class ComfyServer:
     # --- lifecycle ---------------------------------------------------------
 
     def prepare(self) -> None:
+        models = self.base_dir / "models"
+        if self.models_from is not None and not models.is_symlink() and not models.exists():
+            models.parent.mkdir(parents=True, exist_ok=True)
+            models.symlink_to(self.models_from / "models", target_is_directory=True)
         for sub in ("custom_nodes", "models/diffusers", "input", "output", "user"):
             (self.base_dir / sub).mkdir(parents=True, exist_ok=True)
         link = self.base_dir / "custom_nodes" / PACKAGE_DIR_NAME
@@ -196,12 +253,25 @@ class ComfyServer:
             *self.extra_args,
         ]
 
-    def start(self, timeout: float = 180) -> None:
+    def start(self, timeout: float = 180, port_attempts: int = 5) -> None:
+        """Starts ComfyUI and waits until it answers. Where the port it was given by `free_port` was taken in the
+        meantime (ComfyUI exits saying so), starts it again on another one, up to `port_attempts` times."""
         if not (self.comfy_dir / "main.py").is_file():
             raise RuntimeError(f"ComfyUI not found at {self.comfy_dir}; run `bash scripts/setup.sh` first")
         if self.proc is not None and self.proc.poll() is None:
             return
         self.prepare()
+        for attempt in itertools.count(1):
+            log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
+            try:
+                self._start_once(timeout, log_start)
+                return
+            except _PortTaken:
+                if not self._picks_port or attempt >= port_attempts:
+                    raise RuntimeError(f"port {self.port} is in use\n{self._log_since(log_start)[-4000:]}") from None
+                self.port = free_port()
+
+    def _start_once(self, timeout: float, log_start: int) -> None:
         env = dict(os.environ)
         env.update(
             PYTHONUNBUFFERED="1",
@@ -228,9 +298,14 @@ class ComfyServer:
         while True:
             if self.proc.poll() is not None:
                 rc = self.proc.returncode
+                self.proc = None
+                if _PORT_IN_USE.search(self._log_since(log_start)):
+                    raise _PortTaken(self.port)
                 raise RuntimeError(f"ComfyUI exited with {rc} during start\n{self.log_tail()}")
             try:
-                if self.http.get(f"{self.url}/system_stats", timeout=2).status_code == 200:
+                answer = self.http.get(f"{self.url}/system_stats", timeout=2)
+                # Whoever took the port first answers too: ours is the one serving this base directory.
+                if answer.status_code == 200 and self._serves_our_base(answer):
                     break
             except (requests.ConnectionError, requests.Timeout):
                 # Not listening yet, or busy loading nodes; keep polling.
@@ -241,6 +316,13 @@ class ComfyServer:
                 raise RuntimeError(f"ComfyUI did not answer within {timeout}s\n{tail}")
             time.sleep(0.25)
         self.start_duration_s = time.monotonic() - t0
+
+    def _serves_our_base(self, answer: requests.Response) -> bool:
+        try:
+            argv = answer.json()["system"]["argv"]
+        except (ValueError, KeyError, TypeError):
+            return False
+        return str(self.base_dir) in argv
 
     def stop(self, timeout: float = 20) -> None:
         proc, self.proc = self.proc, None
@@ -275,6 +357,12 @@ class ComfyServer:
         if not self.log_path.exists():
             return ""
         return self.log_path.read_text(encoding="utf-8", errors="replace")
+
+    def _log_since(self, offset: int) -> str:
+        """The log from byte `offset` on."""
+        with open(self.log_path, "rb") as log:
+            log.seek(offset)
+            return log.read().decode("utf-8", errors="replace")
 
     def log_tail(self, lines: int = 60) -> str:
         return "\n".join(self.log_text().splitlines()[-lines:])
@@ -318,25 +406,48 @@ class ComfyServer:
     def interrupt(self, prompt_id: str | None = None) -> None:
         self.post("/interrupt", {"prompt_id": prompt_id} if prompt_id else {}).raise_for_status()
 
-    def free(self, unload_models: bool = True, free_memory: bool = True, wake: dict | None = None) -> None:
-        """POST /free, then make sure the prompt worker has acted on it.
+    def free(
+        self, unload_models: bool = True, free_memory: bool = True, wake: dict | None = None, timeout: float = 120
+    ) -> None:
+        """POST /free, and return once the prompt worker has acted on it.
 
-        ComfyUI 0.3.75's worker reads the free flags only when its queue wait returns. A /free that
-        lands while the worker is between prompts (say in gc) loses its wake-up and waits for the next
-        prompt, up to 1000 s later; queueing a tiny core-only prompt right after makes that prompt the
-        wake-up, and the flags are applied as soon as it finishes. That prompt replaces the cached node
-        outputs of the previous one; pass the previous prompt as `wake` to keep them (it then runs
-        entirely from the cache), as a user's "Unload models" between two prompts would.
+        Both ComfyUI versions' prompt worker reads the free flags only after its queue wait returns, and when it
+        has run a prompt, only after sending that prompt's `executing` None (where `run_prompt` returns). A /free
+        that lands while the worker is between prompts (say in gc) also loses its wake-up: the worker then waits for
+        the next prompt, up to 1000 s. So a prompt right after the /free wakes the worker, and a second one, which
+        the worker takes from the queue only after it applied the flags, is the sign they were applied: once it
+        ran, the unload and the cache reset are done (within `timeout`).
+
+        The core-only prompts replace the cached outputs of the previous prompt. To keep them, as a user's "Unload
+        models" between two prompts would, pass the previous prompt as `wake` (it then runs from the cache); that
+        only means something without `free_memory`, which empties the cache.
         """
-        payload = {"unload_models": unload_models, "free_memory": free_memory}
-        self.post("/free", payload).raise_for_status()
-        wake = wake or {
-            "1": {"class_type": "EmptyImage", "inputs": {"width": 8, "height": 8, "batch_size": 1, "color": 0}},
-            "2": {"class_type": "PreviewImage", "inputs": {"images": ["1", 0]}},
-        }
-        result = self.run_prompt(wake, timeout=120)
-        if result.status != "success":
-            raise RuntimeError(f"the wake-up prompt after /free ended with {result.status}: {result.error}")
+        if wake is not None and free_memory:
+            raise ValueError("free_memory empties ComfyUI's output cache: there is nothing for `wake` to keep")
+        self.post("/free", {"unload_models": unload_models, "free_memory": free_memory}).raise_for_status()
+        for role, prompt in (("wake-up", wake), ("second", wake)):
+            result = self.run_prompt(prompt or core_prompt(), timeout=timeout)
+            if result.status != "success":
+                raise RuntimeError(f"the {role} prompt after /free ended with {result.status}: {result.error}")
+
+    def drop_cached_outputs(self) -> None:
+        """Empties ComfyUI's output cache (POST /free with free_memory only, as `free` waits for it); models stay
+        loaded. The next prompt runs every node again, whatever the cache type and free memory."""
+        self.free(unload_models=False, free_memory=True)
+
+    # --- the server's memory -------------------------------------------------
+
+    def memory(self) -> dict[str, int]:
+        """The server process's `VmRSS`, `VmHWM`, `RssAnon` (private), `RssFile` (file-backed), in bytes."""
+        from tests.rss import read_status
+
+        return read_status(self.proc.pid)
+
+    def mapped_files(self, under: Path | str) -> dict:
+        """The files below `under` that the server has memory-mapped, resolved path -> `tests.rss.FileMapping`."""
+        from tests.rss import file_mappings
+
+        return file_mappings(self.proc.pid, under)
 
     def history(self, prompt_id: str) -> dict | None:
         """The history entry for prompt_id, or None while ComfyUI has none."""

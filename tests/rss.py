@@ -14,11 +14,13 @@ from a thread. Polling `/proc` of another process (`pid=...`) avoids sharing tha
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass
 
 _FIELDS = ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem")
+_MAPPING_HEADER = re.compile(r"[0-9a-f]+-[0-9a-f]+ ")
 
 
 def read_status(pid: int | str = "self") -> dict[str, int]:
@@ -30,6 +32,38 @@ def read_status(pid: int | str = "self") -> dict[str, int]:
             if name in _FIELDS:
                 values[name] = int(rest.split()[0]) * 1024
     return values
+
+
+@dataclass(frozen=True)
+class FileMapping:
+    """One file's memory mappings in a process (`/proc/<pid>/smaps`): address ranges, mapped and resident bytes."""
+
+    path: str
+    ranges: tuple[tuple[int, int], ...]
+    size: int
+    rss: int
+
+
+def file_mappings(pid: int | str, under: str | os.PathLike) -> dict[str, FileMapping]:
+    """The files below the folder `under` (symlinks resolved) that `pid` has memory-mapped, by path."""
+    root = os.path.realpath(under).rstrip("/") + "/"
+    found: dict[str, list] = {}
+    current = None
+    with open(f"/proc/{pid}/smaps") as handle:
+        for line in handle:
+            fields = line.split(maxsplit=5)
+            if _MAPPING_HEADER.match(line):
+                # "start-end perms offset dev inode [path]": anonymous mappings have no path.
+                path = fields[5].rstrip("\n") if len(fields) > 5 else ""
+                current = None
+                if path.startswith(root):
+                    start, end = (int(value, 16) for value in fields[0].split("-"))
+                    current = found.setdefault(path, [[], 0, 0])
+                    current[0].append((start, end))
+                    current[1] += end - start
+            elif current is not None and fields[0] == "Rss:":
+                current[2] += int(fields[1]) * 1024
+    return {path: FileMapping(path, tuple(ranges), size, rss) for path, (ranges, size, rss) in found.items()}
 
 
 def reset_peak(pid: int | str = "self") -> bool:

@@ -52,6 +52,7 @@ import re
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -727,6 +728,13 @@ def comfy_file_names(expert: str) -> dict[str, str | tuple[str, str]]:
         "Q8_0": f"Wan2.2-VACE-Fun-A14B-{noise}-Q8_0.gguf",
         "Q6_K": f"Wan2.2-VACE-Fun-A14B-{noise}-Q6_K.gguf",
     }
+
+
+class ComfyModels(NamedTuple):
+    """A written `models/` tree: its folder, and what `write_comfy_models` returned for it."""
+
+    root: Path
+    written: dict
 
 
 @_single_threaded

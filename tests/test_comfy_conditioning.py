@@ -140,15 +140,15 @@ def write_comfy_shaped_pipeline(folder: Path) -> tuple[Path, dict]:
 
 
 @pytest.fixture(scope="module")
-def comfy_shaped(tmp_path_factory):
-    folder, components = write_comfy_shaped_pipeline(tmp_path_factory.mktemp("models") / "wanvace-comfy-shaped")
+def comfy_shaped(comfy_shaped_folder, comfy_components_default, tmp_path_factory):
+    """The session's COMFY_SHAPED folder (our side) and its text encoder as an fp32 ComfyUI umt5 file."""
     umt5 = write_umt5(
-        folder.parent / "umt5_xxl_fp32.safetensors",
-        components["text_encoder"],
+        tmp_path_factory.mktemp("comfy-umt5") / "umt5_xxl_fp32.safetensors",
+        comfy_components_default["text_encoder"],
         sentencepiece_model_bytes(),
         dtype=torch.float32,
     )
-    return {"model": load_pipeline(folder, "fp32"), "umt5": umt5}
+    return {"model": load_pipeline(comfy_shaped_folder, "fp32"), "umt5": umt5}
 
 
 @pytest.fixture(scope="module")

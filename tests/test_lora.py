@@ -262,18 +262,36 @@ def test_a_merged_lora_survives_comfyui_unloading_the_model_mid_run(tiny_folder,
 
 
 @pytest.mark.slow
-def test_lora_with_cache(base, cond, lora_path):
+def test_lora_with_cache(base, cond, content, lora_path, tiny_folder):
+    """Caching keeps the LoRA: with nothing cached the latents are the uncached LoRA run's, bit for bit; with steps
+    cached they are the hand-merged model's under the same cache options (merged in place: bit for bit)."""
     settings = SamplerSettings(seed=5, steps=6, cfg=3.0, cfg_low_noise=1.0)
-    patches = [LoraPatch(lora_path, 1.0, 0.8)]
-    uncached = run(base, cond, patches, settings)
+    high, low = 1.0, 0.8
+    patches = [LoraPatch(lora_path, high, low)]
+    uncached = run(base, cond, patches, settings).latents
+    assert not torch.equal(uncached, sample(base, cond, settings).latents), "the LoRA must change the output"
+    # A warm-up longer than the run: cache-dit attaches and measures residuals but never skips a step.
     never = ExpertCacheLimits(max_warmup_steps=1000)
     nothing_cached = run(base, cond, patches, settings, cache=CacheOptions(high_noise=never, low_noise=never))
     assert [len(expert.cached_steps) for expert in nothing_cached.cache_report.experts] == [0, 0]
-    assert torch.equal(nothing_cached.latents, uncached.latents)
-    eager = ExpertCacheLimits(max_warmup_steps=1)
-    cached = run(base, cond, patches, settings, cache=CacheOptions(residual_diff_threshold=0.5, low_noise=eager))
-    assert cached.cache_report is not None and cached.cache_report.experts[-1].cached_steps
-    assert torch.isfinite(cached.latents).all()
+    assert torch.equal(nothing_cached.latents, uncached)
+
+    eager = CacheOptions(residual_diff_threshold=0.5, low_noise=ExpertCacheLimits(max_warmup_steps=1))
+    hand = rehomed(load_pipeline(tiny_folder, "fp32"))
+    hand_merged(hand.transformer, content, high)
+    hand_merged(hand.transformer_2, content, low)
+    expected = sample(hand, cond, settings, cache=eager)
+    assert expected.cache_report.experts[-1].cached_steps, "the low-noise expert must cache for this test to mean it"
+    merged = run(base, cond, [LoraPatch(lora_path, high, low, merge=True)], settings, cache=eager)
+    assert merged.cache_report == expected.cache_report
+    assert torch.equal(merged.latents, expected.latents)
+    on_the_fly = run(base, cond, patches, settings, cache=eager)
+    assert on_the_fly.cache_report == expected.cache_report
+    error = _close(on_the_fly.latents, expected.latents)
+    # A LoRA dropped under caching would give the plain model's cached run: far from the hand merge's.
+    dropped = sample(base, cond, settings, cache=eager).latents
+    assert (dropped - expected.latents).abs().max() > 100 * error
+    print(f"cached LoRA on the fly vs cached hand merge max |diff| {error:.2e}")
 
 
 @pytest.mark.slow

@@ -9,6 +9,11 @@ over all-to-all'd head groups, whose sums may run in another order: within `ULYS
 latents of magnitude ~4).
 Cache decisions must be those of the single process, on every rank (cache-dit averages its residual
 measure over each branch's ranks).
+
+The workers of a world size are started once for the module and serve one mode's load after another
+(`tests.distributed.ServingWorkers`: the local launcher's worker setup, kept up between loads as under torchrun):
+starting two workers costs more than what a mode computes. How the local launcher starts and stops its own
+workers is tests/test_parallel_workers.py; the same modes under both launchers, test_parallel_torchrun.py.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed import threads_of_workers
+from tests.distributed import ServingWorkers, threads_of_workers
 from tests.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH
 from wanvace_core import (
     CacheOptions,
@@ -29,7 +34,6 @@ from wanvace_core import (
     prepare_conditioning,
     sample,
 )
-from wanvace_core.parallel import ParallelOptions
 from wanvace_core.parallel.launcher import cpu_threads_per_worker
 
 SETTINGS = SamplerSettings(seed=7, steps=6, cfg=5.0, cfg_low_noise=4.0)
@@ -89,60 +93,82 @@ def reference(tiny_folder):
     return cond, expected_for
 
 
-def _check_mode(tiny_folder, reference, devices, mode: dict, offload: OffloadOptions | None = None) -> None:
+@pytest.fixture(scope="module")
+def serving(tmp_path_factory):
+    """`serving(world)`: this module's workers of that world size, running (started on first use, and again after a
+    failed check stopped them)."""
+    logs = tmp_path_factory.mktemp("serving-workers")
+    workers: dict[int, ServingWorkers] = {}
+
+    def running(world: int) -> ServingWorkers:
+        if world not in workers:
+            workers[world] = ServingWorkers(world, logs / f"world{world}")
+        return workers[world].ensure_running()
+
+    yield running
+    for started in workers.values():
+        started.stop()
+
+
+def _check_mode(tiny_folder, reference, workers, mode: dict, offload: OffloadOptions | None = None) -> None:
     cond, expected_for = reference
-    all_expected = expected_for(len(devices))
+    all_expected = expected_for(workers.world)
     layout = "file" if mode["shard"] == "none" and offload is None else "fresh"
     expected = {cached: all_expected[layout, cached] for cached in (False, True)}
-    model = load_pipeline(tiny_folder, "fp32", offload=offload, parallel=ParallelOptions(devices=devices, **mode))
-    try:
-        for cached in (False, True):
-            got = sample(model, cond, SETTINGS, cache=CACHE if cached else None)
-            difference = (got.latents - expected[cached].latents).abs().max().item()
-            if mode.get("ulysses_degree", 1) > 1:
-                assert difference <= ULYSSES_TOLERANCE, (mode, cached, difference)
-            else:
-                assert difference == 0.0, (mode, cached, difference)
-            assert got.cache_report == expected[cached].cache_report
-        again = sample(model, cond, SETTINGS)
-        assert torch.equal(again.latents, sample(model, cond, SETTINGS).latents)  # stable across prompts
+    with workers.stopped_on_failure():
+        model = load_pipeline(tiny_folder, "fp32", offload=offload, parallel=workers.options(**mode))
+        try:
+            _check_samples(model, cond, expected, mode)
+        finally:
+            model.remote.close()
+
+
+def _check_samples(model, cond, expected: dict, mode: dict) -> None:
+    for cached in (False, True):
+        got = sample(model, cond, SETTINGS, cache=CACHE if cached else None)
+        difference = (got.latents - expected[cached].latents).abs().max().item()
         if mode.get("ulysses_degree", 1) > 1:
-            # 48x48 gives 3 x 3 x 3 = 27 tokens per frame group: not splittable in two, refused before any work.
-            odd = prepare_conditioning(
-                model, VACEInputs(positive=PROMPT, negative=NEGATIVE, width=48, height=48, length=LENGTH)
-            )
-            with pytest.raises(WanVACEInputError, match="does not divide this video's 27 tokens"):
-                sample(model, odd, SETTINGS)
-            assert torch.equal(sample(model, cond, SETTINGS).latents, again.latents)
-    finally:
-        model.remote.close()
+            assert difference <= ULYSSES_TOLERANCE, (mode, cached, difference)
+        else:
+            assert difference == 0.0, (mode, cached, difference)
+        assert got.cache_report == expected[cached].cache_report
+    again = sample(model, cond, SETTINGS)
+    assert torch.equal(again.latents, sample(model, cond, SETTINGS).latents)  # stable across prompts
+    if mode.get("ulysses_degree", 1) > 1:
+        # 48x48 gives 3 x 3 x 3 = 27 tokens per frame group: not splittable in two, refused before any work.
+        odd = prepare_conditioning(
+            model, VACEInputs(positive=PROMPT, negative=NEGATIVE, width=48, height=48, length=LENGTH)
+        )
+        with pytest.raises(WanVACEInputError, match="does not divide this video's 27 tokens"):
+            sample(model, odd, SETTINGS)
+        assert torch.equal(sample(model, cond, SETTINGS).latents, again.latents)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-def test_two_workers_equal_one_process(tiny_folder, reference, mode):
-    _check_mode(tiny_folder, reference, ("cpu", "cpu"), MODES[mode])
+def test_two_workers_equal_one_process(tiny_folder, reference, serving, mode):
+    _check_mode(tiny_folder, reference, serving(2), MODES[mode])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", list(WORLD4_MODES))
-def test_four_workers_equal_one_process(tiny_folder, reference, mode):
-    _check_mode(tiny_folder, reference, ("cpu",) * 4, WORLD4_MODES[mode])
+def test_four_workers_equal_one_process(tiny_folder, reference, serving, mode):
+    _check_mode(tiny_folder, reference, serving(4), WORLD4_MODES[mode])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", list(OFFLOAD_MODES))
-def test_offload_per_rank_composes_with_sharding_and_ulysses(tiny_folder, reference, mode):
+def test_offload_per_rank_composes_with_sharding_and_ulysses(tiny_folder, reference, serving, mode):
     options, offload = OFFLOAD_MODES[mode]
-    _check_mode(tiny_folder, reference, ("cpu", "cpu"), options, offload)
+    _check_mode(tiny_folder, reference, serving(2), options, offload)
 
 
-def test_single_files_shard_in_the_workers_bitwise(tmp_path):
+def test_single_files_shard_in_the_workers_bitwise(tmp_path, serving, comfy_components_default):
     """Comfy-style single files (original Wan keys), sharded by the workers from the files' rows."""
     from tests.single_files import write_expert, write_umt5, write_vae
     from wanvace_core import ExpertFiles, load_expert_files
-    from wanvace_core.tiny import COMFY_SHAPED, build_tiny_components, sentencepiece_model_bytes
+    from wanvace_core.tiny import sentencepiece_model_bytes
 
-    components = build_tiny_components(COMFY_SHAPED)  # shaped as single files are read (head dim 128)
+    components = comfy_components_default  # COMFY_SHAPED, shaped as single files are read (head dim 128)
     files = ExpertFiles(
         high_noise_model=write_expert(tmp_path / "high.safetensors", components["transformer"], dtype=torch.float32),
         low_noise_model=write_expert(tmp_path / "low.safetensors", components["transformer_2"], dtype=torch.float32),
@@ -157,8 +183,10 @@ def test_single_files_shard_in_the_workers_bitwise(tmp_path):
     )
     with threads_of_workers(2):
         expected = sample(single, cond, SETTINGS).latents
-    model = load_expert_files(files, "fp32", parallel=ParallelOptions(devices=("cpu", "cpu"), shard="fsdp"))
-    try:
-        assert torch.equal(sample(model, cond, SETTINGS).latents, expected)
-    finally:
-        model.remote.close()
+    workers = serving(2)
+    with workers.stopped_on_failure():
+        model = load_expert_files(files, "fp32", parallel=workers.options(shard="fsdp"))
+        try:
+            assert torch.equal(sample(model, cond, SETTINGS).latents, expected)
+        finally:
+            model.remote.close()

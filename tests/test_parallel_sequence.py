@@ -1,8 +1,9 @@
 """Ulysses sequence parallelism on gloo CPU ranks: every rank computes what one process computes.
 
-Each `_*_rank` function runs in its own spawned rank (`tests.distributed.run_ranks`), so it lives at module
-level. The single-process references are computed in the pytest process itself, where torch.distributed is
-not initialised (cache-dit then makes its decisions without any all-reduce).
+Each `_*_rank` function runs on spawned gloo ranks (the module's two ranks from `rank_pools`, spawned once;
+the four-rank case on its own `tests.distributed.run_ranks`), so it lives at module level. The single-process
+references are computed in the pytest process itself, where torch.distributed is not initialised (cache-dit
+then makes its decisions without any all-reduce).
 """
 
 from __future__ import annotations
@@ -156,8 +157,8 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.fixture(scope="module")
-def forward_results(tiny_folder):
-    return run_ranks(2, _forward_rank, str(tiny_folder))
+def forward_results(rank_pools, tiny_folder):
+    return rank_pools(2).run(_forward_rank, str(tiny_folder))
 
 
 def _check_forward_matches_single_process(results: list, forward: str) -> None:
@@ -193,13 +194,13 @@ def _check_sampling_matches_single_process(results: list, references: list) -> N
             assert result.cache_report == reference.cache_report
 
 
-def test_sampling_with_and_without_cache_matches_single_process_on_two_ranks(tiny_folder, loaded_models):
+def test_sampling_with_and_without_cache_matches_single_process_on_two_ranks(rank_pools, tiny_folder, loaded_models):
     model = loaded_models("fp32")
     cond = _cond(model)
     references = [sample(model, cond, SETTINGS), sample(model, cond, SETTINGS, cache=CACHE)]
     cached = references[1].cache_report
     assert all(0 < len(expert.cached_steps) < expert.steps for expert in cached.experts)
-    results = run_ranks(2, _sample_rank, str(tiny_folder), cond, [None, CACHE])
+    results = rank_pools(2).run(_sample_rank, str(tiny_folder), cond, [None, CACHE])
     _check_sampling_matches_single_process(results, references)
 
 
@@ -222,8 +223,8 @@ def test_four_ranks_split_the_sequence_four_ways(four_head_folder):
     _check_sampling_matches_single_process([sample_results for _, sample_results in results], references)
 
 
-def test_uneven_tokens_and_heads_are_refused_by_name(tiny_folder, three_head_folder):
-    for outcome in run_ranks(2, _refusal_rank, str(tiny_folder), str(three_head_folder)):
+def test_uneven_tokens_and_heads_are_refused_by_name(rank_pools, tiny_folder, three_head_folder):
+    for outcome in rank_pools(2).run(_refusal_rank, str(tiny_folder), str(three_head_folder)):
         assert (
             "ulysses_degree=2 does not divide this video's 27 tokens (3 latent frames x 3 x 3 patches)"
             in outcome["tokens"]

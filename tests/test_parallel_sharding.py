@@ -1,7 +1,8 @@
 """FSDP2-sharded experts loaded per rank straight from the files (`wanvace_core.parallel.sharding`).
 
-Every check runs on real gloo ranks (`tests.distributed.run_ranks`, one CPU thread each) and compares,
-inside each rank, against the unsharded loaders run in that same process (same thread count, so the
+Every check runs on real gloo ranks (one CPU thread each: the module's `rank_pools`, spawned once per world
+size, except where a test measures a rank's memory and gets fresh ones from `tests.distributed.run_ranks`) and
+compares, inside each rank, against the unsharded loaders run in that same process (same thread count, so the
 same CPU kernels): the folder loader (`load_pipeline`) and the single-file loader (`load_expert_files`).
 Unsharded weights used in place from a file sit at the file's offsets, and CPU GEMM kernels pick their
 path by operand alignment, so the references are re-homed into fresh allocations first (as in
@@ -29,14 +30,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from tests.distributed import run_ranks
 from tests.rss import PeakSampler, random_transformer, read_status
-from tests.single_files import (
-    PREFIX,
-    comfy_components,
-    original_wan_state_dict,
-    truncate_copy,
-    write_comfy_models,
-    write_expert,
-)
+from tests.single_files import PREFIX, original_wan_state_dict, truncate_copy, write_expert
 from tests.vace_tasks import NEGATIVE, PROMPT
 from wanvace_core import (
     ExpertFiles,
@@ -265,15 +259,15 @@ def _check_exact(results, world: int, shards: int, dtypes) -> None:
         pytest.param(4, (2, 2), True, id="hsdp2x2-prefetch"),
     ],
 )
-def test_sharded_experts_equal_the_unsharded_model_bitwise(tiny_folder, world, shape, prefetch):
+def test_sharded_experts_equal_the_unsharded_model_bitwise(rank_pools, tiny_folder, world, shape, prefetch):
     dtypes = ("bf16", "fp16", "fp32") if world == 2 else ("bf16", "fp32")
-    results = run_ranks(world, sharded_against_unsharded, tiny_folder, shape, False, prefetch, dtypes)
+    results = rank_pools(world).run(sharded_against_unsharded, tiny_folder, shape, False, prefetch, dtypes)
     _check_exact(results, world, shape[-1], dtypes)
 
 
-def test_cpu_offloaded_shards_are_exact_too(tiny_folder):
+def test_cpu_offloaded_shards_are_exact_too(rank_pools, tiny_folder):
     dtypes = ("bf16",)
-    results = run_ranks(2, sharded_against_unsharded, tiny_folder, (2,), True, True, dtypes)
+    results = rank_pools(2).run(sharded_against_unsharded, tiny_folder, (2,), True, True, dtypes)
     _check_exact(results, 2, 2, dtypes)
 
 
@@ -326,6 +320,7 @@ def measure_sharded_load(rank, world, component_folder, dtype):
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_each_rank_loads_only_its_shard(large_expert_folder, dtype):
     world = 2
+    # Fresh ranks: a rank that already loaded and freed other models would start from another heap.
     results = run_ranks(world, measure_sharded_load, large_expert_folder, dtype)
     for rank, result in enumerate(results):
         held, full = result["held"], result["full"]
@@ -354,12 +349,12 @@ def test_each_rank_loads_only_its_shard(large_expert_folder, dtype):
 
 
 @pytest.fixture(scope="module")
-def single_files(tmp_path_factory):
-    """ComfyUI-style files of one COMFY_SHAPED pipeline (head dim 128, as the layouts infer it)."""
-    components = comfy_components()
-    root = tmp_path_factory.mktemp("sharding-single") / "models"
-    written = write_comfy_models(root, components, formats=("bf16", "fp8_scaled", "Q8_0", "umt5_fp16", "vae"))
-    experts = root / "diffusion_models"
+def single_files(comfy_components_default, comfy_model_files, tmp_path_factory):
+    """ComfyUI-style files of one COMFY_SHAPED pipeline (head dim 128, as the layouts infer it): the session's
+    models/ tree (bf16, fp8_scaled, Q8_0, umt5_fp16, vae used here) plus fp16, fp32 and .pth experts."""
+    components = comfy_components_default
+    written = dict(comfy_model_files.written)
+    experts = tmp_path_factory.mktemp("sharding-single")
     pairs = (("high", "transformer"), ("low", "transformer_2"))
     for name, dtype in (("fp16", torch.float16), ("fp32", torch.float32)):
         written[name] = {
@@ -460,8 +455,8 @@ def single_files_against_unsharded(rank, world, written, cases):
     return results
 
 
-def test_single_file_experts_shard_bitwise_equal_to_the_single_file_loader(single_files):
-    results = run_ranks(2, single_files_against_unsharded, single_files, SINGLE_FILE_CASES)
+def test_single_file_experts_shard_bitwise_equal_to_the_single_file_loader(rank_pools, single_files):
+    results = rank_pools(2).run(single_files_against_unsharded, single_files, SINGLE_FILE_CASES)
     for rank, per_case in enumerate(results):
         assert set(per_case) == {"-".join(case) for case in SINGLE_FILE_CASES}
         for case, experts in per_case.items():
@@ -525,13 +520,14 @@ def broken_folders(tiny_folder, tmp_path_factory):
     return folders
 
 
-def test_broken_files_and_misuse_are_refused(tiny_folder, broken_folders, single_files, tmp_path):
+def test_broken_files_and_misuse_are_refused(rank_pools, tiny_folder, broken_folders, single_files, tmp_path):
     cut = truncate_copy(single_files["bf16"]["high"], tmp_path / "cut_high.safetensors")
     foreign = tmp_path / "foreign_high.safetensors"
     state = load_file(str(single_files["bf16"]["high"]))
     state["blocks.0.self_attn.extra.weight"] = torch.zeros(2, 2, dtype=torch.bfloat16)
     save_file(state, str(foreign))
-    results = run_ranks(1, refusals, tiny_folder, broken_folders, single_files, cut, foreign)[0]
+    # Every refusal comes before any collective (the headers are checked first), on every rank alike.
+    per_rank = rank_pools(2).run(refusals, tiny_folder, broken_folders, single_files, cut, foreign)
     expected = {
         "truncated_folder": r"WanVACEModelFolderError: Weight file .*truncated/transformer/diffusion_pytorch_model"
         r"\.safetensors is truncated.*re-download",
@@ -548,6 +544,7 @@ def test_broken_files_and_misuse_are_refused(tiny_folder, broken_folders, single
         "real_weights": r"shard_expert needs an expert built on the meta device, but '.+' \(and \d+ more\) holds real",
         "wrong_device": r"device=cuda:0 does not match the shard mesh's device type 'cpu'",
     }
-    for case, pattern in expected.items():
-        assert results[case] is not None, f"{case} was not refused"
-        assert re.search(pattern, results[case], re.DOTALL), f"{case}: {results[case]}"
+    for rank, results in enumerate(per_rank):
+        for case, pattern in expected.items():
+            assert results[case] is not None, f"rank {rank}: {case} was not refused"
+            assert re.search(pattern, results[case], re.DOTALL), f"rank {rank}, {case}: {results[case]}"

@@ -205,12 +205,11 @@ def test_requests_of_720p_size_cross_the_store_whole():
 
     import torch.distributed as dist
 
-    from tests.distributed import free_port
+    from tests.distributed import hosted_store
     from wanvace_core.parallel.rank import StoreRelay
 
-    port = free_port()
-    host = dist.TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=30), wait_for_workers=False)
-    client = dist.TCPStore("127.0.0.1", port, 2, False, timedelta(seconds=30))
+    host = hosted_store()
+    client = dist.TCPStore("127.0.0.1", host.port, 2, False, timedelta(seconds=30))
     payload = torch.randn(1, 96, 21, 90, 160, dtype=torch.bfloat16)
     sender, receiver = StoreRelay(host, 0, 2), StoreRelay(client, 1, 2)
     request = sender.publish(messages.encode("sample", control=payload))

@@ -19,11 +19,9 @@ from safetensors.torch import save_file
 from tests.original_release import wan_t5_state_dict, write_original_release
 from tests.single_files import (
     PREFIX,
-    comfy_components,
     fp8_tolerance,
     non_wan_file,
     truncate_copy,
-    write_comfy_models,
     write_expert,
     write_umt5,
     write_vae,
@@ -43,7 +41,7 @@ from wanvace_core import (
 from wanvace_core.offload import tensor_bytes
 from wanvace_core.quantized import QuantizedLinear
 from wanvace_core.single_file import find_original_folders, original_folder_files
-from wanvace_core.tiny import COMFY_SHAPED, TinyModelSpec, sentencepiece_model_bytes, write_tiny_pipeline
+from wanvace_core.tiny import COMFY_SHAPED, TinyModelSpec, sentencepiece_model_bytes
 
 pytestmark = pytest.mark.slow
 
@@ -69,13 +67,13 @@ def rehomed(model):
 
 
 @pytest.fixture(scope="module")
-def components():
-    return comfy_components()
+def components(comfy_components_default):
+    return comfy_components_default
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return write_tiny_pipeline(tmp_path_factory.mktemp("diffusers") / "wanvace-comfy-shaped", COMFY_SHAPED)
+def folder(comfy_shaped_folder):
+    return comfy_shaped_folder
 
 
 @pytest.fixture(scope="module")
@@ -104,10 +102,9 @@ def reference(folder, bf16_folder):
 
 
 @pytest.fixture(scope="module")
-def models_dir(tmp_path_factory, components):
-    root = tmp_path_factory.mktemp("comfy") / "models"
-    written = write_comfy_models(root, components)
-    return root, written
+def models_dir(comfy_model_files):
+    """(root, written) of the session's models/ tree: shared, so the bad-file tests below cut and edit copies."""
+    return comfy_model_files
 
 
 def _write_set(root, components, dtype: torch.dtype, prefix: str = "") -> ExpertFiles:

@@ -21,8 +21,8 @@ def _one_thread():
 
 
 @pytest.fixture(scope="module")
-def components():
-    return sf.comfy_components()
+def components(comfy_components_default):
+    return comfy_components_default
 
 
 @pytest.fixture(scope="module")
@@ -338,9 +338,9 @@ def test_vae_file_has_original_keys(tmp_path, components):
 # The models/ tree and broken files
 
 
-def test_write_comfy_models_writes_the_real_file_names(tmp_path, components):
-    written = sf.write_comfy_models(tmp_path / "models", components)
-    names = {p.relative_to(tmp_path / "models").as_posix() for p in (tmp_path / "models").rglob("*") if p.is_file()}
+def test_write_comfy_models_writes_the_real_file_names(tmp_path, components, comfy_model_files):
+    root, written = comfy_model_files  # write_comfy_models(root, components), every format
+    names = {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()}
     assert names == {
         "diffusion_models/wan2.2_fun_vace_high_noise_14B_bf16.safetensors",
         "diffusion_models/wan2.2_fun_vace_low_noise_14B_bf16.safetensors",

@@ -65,13 +65,3 @@ def comfy_server(comfy_base):
         yield server
     finally:
         server.stop()
-
-
-@pytest.fixture
-def fresh_comfy_base(tmp_path) -> Path:
-    """A base directory of its own (tiny models, example inputs) for a test that starts its own server."""
-    base = tmp_path / "comfy_base"
-    ComfyServer(base).prepare()
-    _write_models(base / "models" / "diffusers")
-    write_example_inputs(base / "input")
-    return base

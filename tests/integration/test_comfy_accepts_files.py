@@ -82,8 +82,9 @@ def comfy_dir() -> Path:
 
 
 @pytest.fixture(scope="module")
-def components(comfy_dir):
-    return sf.comfy_components()
+def components(comfy_dir, comfy_components_default):
+    """The session's COMFY_SHAPED components (tests/conftest.py); only read here."""
+    return comfy_components_default
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,8 @@
 """Our nodes next to ComfyUI's own text-encoder and VAE nodes, through a real server.
 
-(a) Our sampler's LATENT decoded by core VAELoader(wan_2.1_vae.safetensors) + VAEDecode / VAEDecodeTiled
+The prompts run on the session's server; what this module needs besides its model files it adds for its duration.
+
+(a) Our sampler's LATENT decoded by core VAELoader + VAEDecode / VAEDecodeTiled
 equals our WanVACEDecode: the LATENT is raw VAE space, which is what core VAEDecode takes (ComfyUI's
 `latent_formats.Wan21.process_out` = ours `to_vae_space`: latents * std + mean). The VAE file is the tiny
 COMFY_SHAPED pipeline's own VAE in the original Wan keys (tests/single_files.py `write_vae`), in fp32.
@@ -21,20 +23,23 @@ Core LotusConditioning (no inputs) gives a CONDITIONING of the wrong width (SD2'
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
-from comfy_server import ComfyServer, require_comfyui
 from safetensors.torch import load_file
 
 from tests.metrics import psnr
 from tests.single_files import write_umt5, write_vae
-from tests.test_comfy_conditioning import LATENT_ATOL, comfy_encode, write_comfy_shaped_pipeline
+from tests.test_comfy_conditioning import LATENT_ATOL, comfy_encode
 from wanvace_core.tiny import sentencepiece_model_bytes
 
 pytestmark = pytest.mark.integration
 
 MODEL = "wanvace-comfy-shaped"
-VAE_FILE = "wan_2.1_vae.safetensors"
+# Not the session's wan_2.1_vae.safetensors: the same VAE in bf16, which would not match our fp32 decode.
+VAE_FILE = "wan_2.1_vae_fp32_interop.safetensors"
 POSITIVE = "a bird flies over the sea at sunset, the camera follows it"
 NEGATIVE = "low quality, blurry, static"
 DATASETS = {"positive": "wanvace_interop_positive", "negative": "wanvace_interop_negative"}
@@ -42,35 +47,46 @@ SIZE = {"width": 64, "height": 48, "length": 9}
 FRAME_ATOL = 1e-5
 
 
-def _write_dataset(base, name: str, conditioning: list) -> None:
-    """One sample for LoadTrainingDataset, where either ComfyUI version looks for it."""
+def _write_dataset(base, name: str, conditioning: list) -> list[Path]:
+    """One sample for LoadTrainingDataset, where either ComfyUI version looks for it; returns the folders."""
     shard = {"latents": [{"samples": torch.zeros(1, 16, 1, 6, 8)}], "conditioning": [conditioning]}
+    folders = []
     for root in (base / "output", base / "datasets"):
         folder = root / name
         folder.mkdir(parents=True, exist_ok=True)
         torch.save(shard, folder / "shard_0000.pkl")
         (folder / "metadata.json").write_text("{}\n")  # 0.33 lists dataset folders by this file
+        folders.append(folder)
+    return folders
 
 
 @pytest.fixture(scope="module")
-def interop_server(tmp_path_factory):
-    require_comfyui()
-    base = tmp_path_factory.mktemp("comfy_interop")
-    server = ComfyServer(base)
-    server.prepare()
-    _folder, components = write_comfy_shaped_pipeline(base / "models" / "diffusers" / MODEL)
-    write_vae(base / "models" / "vae" / VAE_FILE, components["vae"], dtype=torch.float32)
+def interop_server(comfy_server, comfy_base, comfy_shaped_folder, comfy_components_default, tmp_path_factory):
+    """The session's server, with what this module adds to its base: the session's COMFY_SHAPED pipeline folder
+    linked into models/diffusers, its VAE as an fp32 file in models/vae, and the prompts encoded by ComfyUI's own
+    text encoder as datasets. Removed after the module."""
+    pipeline = comfy_base / "models" / "diffusers" / MODEL
+    pipeline.symlink_to(comfy_shaped_folder, target_is_directory=True)
+    vae = write_vae(comfy_base / "models" / "vae" / VAE_FILE, comfy_components_default["vae"], dtype=torch.float32)
+    work = tmp_path_factory.mktemp("comfy_interop")
     umt5 = write_umt5(
-        base / "umt5_xxl_fp32.safetensors", components["text_encoder"], sentencepiece_model_bytes(), dtype=torch.float32
+        work / "umt5_xxl_fp32.safetensors",
+        comfy_components_default["text_encoder"],
+        sentencepiece_model_bytes(),
+        dtype=torch.float32,
     )
-    encoded = comfy_encode(umt5, [POSITIVE, NEGATIVE], base / "encoded.pt")
-    _write_dataset(base, DATASETS["positive"], encoded[0]["conditioning"])
-    _write_dataset(base, DATASETS["negative"], encoded[1]["conditioning"])
-    server.start(timeout=180)
+    encoded = comfy_encode(umt5, [POSITIVE, NEGATIVE], work / "encoded.pt")
+    datasets = [
+        _write_dataset(comfy_base, DATASETS["positive"], encoded[0]["conditioning"]),
+        _write_dataset(comfy_base, DATASETS["negative"], encoded[1]["conditioning"]),
+    ]
     try:
-        yield server
+        yield comfy_server
     finally:
-        server.stop()
+        pipeline.unlink()
+        vae.unlink()
+        for folder in (folder for folders in datasets for folder in folders):
+            shutil.rmtree(folder)
 
 
 def _graph(prefix: str, **conditioning) -> dict:
@@ -107,10 +123,12 @@ def _save_frames(graph: dict, node_id: str, images: list, prefix: str) -> None:
     }
 
 
-def _run(server, graph: dict) -> dict[str, torch.Tensor]:
-    """Runs `graph`; returns each SaveLatent's tensor by its filename_prefix's last part."""
+def _run(server, graph: dict, ran: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """Runs `graph`; returns each SaveLatent's tensor by its filename_prefix's last part. The nodes `ran` must have
+    run in this prompt (not come from ComfyUI's output cache)."""
     result = server.run_prompt(graph, timeout=600)
     assert result.status == "success", (result.error or result.response, server.log_tail(80))
+    result.assert_ran(*ran)
     # SaveLatent writes <prefix's folder>/<prefix's name>_00001_.latent.
     return {
         path.name.split("_")[0]: load_file(str(path))["latent_tensor"]
@@ -161,7 +179,7 @@ def test_comfyui_conditioning_samples_the_text_path_video(interop_server):
     )
     graph["20"] = {"class_type": "LoadTrainingDataset", "inputs": {"folder_name": DATASETS["positive"]}}
     graph["21"] = {"class_type": "LoadTrainingDataset", "inputs": {"folder_name": DATASETS["negative"]}}
-    from_comfy = _run(interop_server, graph)["latent"]
+    from_comfy = _run(interop_server, graph, ran=("3",))["latent"]
     assert from_comfy.shape == text_path.shape == (1, 16, 3, 6, 8)
     # The unit test's sampler tolerance, here in raw VAE space (latents * std + mean): measured max 9.3e-6 with
     # 0.33 (latents up to 11), 1.1e-5 with 0.3.75 (up to 15).

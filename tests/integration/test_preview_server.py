@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import pytest
 from comfy_server import ComfyServer, require_comfyui
 from PIL import Image
-from workflow_graphs import TINY_MODEL, build_api_workflow, for_tiny_model, node_id_of, nodes_of_type
+from workflow_graphs import build_api_workflow, for_tiny_model, node_id_of, nodes_of_type
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -49,22 +49,17 @@ def _previews(messages: list[bytes]) -> list[Preview]:
     return previews
 
 
-@pytest.fixture(scope="module")
-def preview_base(tmp_path_factory):
-    require_comfyui()
-    from wanvace_core.tiny import write_tiny_pipeline
-
-    base = tmp_path_factory.mktemp("comfy_preview")
-    ComfyServer(base).prepare()
-    write_tiny_pipeline(base / "models" / "diffusers" / TINY_MODEL)
-    return base
-
-
 @pytest.fixture(scope="module", params=["latent2rgb", "none"])
-def preview_server(request, preview_base):
-    with ComfyServer(
-        preview_base, extra_args=["--preview-method", request.param, "--preview-size", str(PREVIEW_SIZE)]
-    ) as server:
+def preview_server(request, comfy_base, tmp_path_factory):
+    """The session's server for `none`, both versions' default `--preview-method`; for another method (0.3.75 takes
+    it only as a process flag) a server of its own, on the session's model files."""
+    require_comfyui()
+    if request.param == "none":
+        yield request.param, request.getfixturevalue("comfy_server")
+        return
+    flags = ["--preview-method", request.param, "--preview-size", str(PREVIEW_SIZE)]
+    base = tmp_path_factory.mktemp(f"comfy_preview_{request.param}")
+    with ComfyServer(base, extra_args=flags, models_from=comfy_base) as server:
         yield request.param, server
 
 
@@ -80,8 +75,10 @@ def test_one_preview_per_sampler_step_unless_method_none(client, preview_server)
     method, server = preview_server
     workflow, sampler_id, steps = _workflow(seed=101 + list(CLIENTS).index(client))
     (conditioning,) = nodes_of_type(workflow, "WanVACEConditioning")
+    log_start = len(server.log_text())  # the session's server ran other tests before
     result = server.run_prompt(workflow, timeout=600, feature_flags=CLIENTS[client])
     assert result.status == "success", (result.error, server.log_tail())
+    result.assert_ran(sampler_id)  # a sampler served from ComfyUI's cache would send no progress and no preview
     progress = [event for event in result.progress_events() if event.get("node") == sampler_id]
     assert progress and progress[-1]["value"] == steps, progress
     previews = _previews(result.binary_messages)
@@ -101,7 +98,7 @@ def test_one_preview_per_sampler_step_unless_method_none(client, preview_server)
         assert image.format == PIL_FORMATS[preview.mimetype]
         image.load()  # a truncated or corrupt file fails here
         assert image.size == shown_size and image.mode == "RGB"
-    assert "Traceback" not in server.log_text(), server.log_tail(80)
+    assert "Traceback" not in server.log_text()[log_start:], server.log_tail(80)
 
 
 def test_cancel_still_stops_the_sampler(preview_server):
