@@ -222,8 +222,9 @@ setup_venv() {
     else
         build_venv "$set" "$venv" "$constraints" "$comfy_req"
         echo "$key" >"$stamp"
-        # Older venvs of this set are of no further use; keep the disk for the new one.
-        find "$VENV_ROOT" -mindepth 1 -maxdepth 1 -type d -name "$set-*" ! -name "$set-$key" -exec rm -rf {} +
+        # Keep this set's two newest venvs (two clones may test against different ComfyUI trees); older ones
+        # only take disk.
+        ls -1dt "$VENV_ROOT/$set"-*/ 2>/dev/null | tail -n +3 | xargs -r rm -rf
     fi
     exec {lock_fd}>&-
     rm -rf "$ROOT/.venvs/$set"
