@@ -9,6 +9,9 @@ Resident memory is split the way the kernel reports it in `/proc/<pid>/status`:
 
 The kernel keeps no peak of the private and file-backed parts separately, so `PeakSampler` polls them
 from a thread. Polling `/proc` of another process (`pid=...`) avoids sharing that process's GIL.
+
+`file_mappings` reads `/proc/<pid>/smaps` for which files below a folder a process has mapped, where and how much
+of them is resident: whether a ComfyUI server holds the weights it uses in place from their files.
 """
 
 from __future__ import annotations

@@ -100,11 +100,10 @@ def test_offload_modes_match_no_offload_and_obey_comfyui_unload(offload, comfy_s
         # The weights are dropped, though the pipeline stays in ComfyUI's cache.
         assert _expert_mappings(comfy_server, model_folder) == {}, "ComfyUI's unload did not reach our patcher"
     else:
-        # On a CPU-only ComfyUI offloading keeps the weights where they are (host memory, mapped from the files),
-        # and what the unload frees is the few KiB copied to the device (the cpu): no measurable amount, so the
-        # pack's account of it is the evidence that the unload reached it.
-        # Mappings of the no-offload pipeline of `plain`, where ComfyUI still holds it, go (its weights are
-        # dropped); those of the offloaded weights stay.
+        # On a CPU-only ComfyUI offloading keeps the weights where they are (host memory, mapped from the files):
+        # those mappings stay, while those of the no-offload pipeline of `plain`, where ComfyUI still holds it, go.
+        # What the unload frees of the offloaded pipeline is the few KiB copied to the device (the cpu): no
+        # measurable amount, so the pack's account of it is the evidence that the unload reached it.
         kept = _expert_mappings(comfy_server, model_folder)
         assert set(kept) == set(held) and all(set(kept[name]) <= set(held[name]) for name in kept), (held, kept)
         assert sum(_released_bytes(comfy_server, log_start)) > 0, "ComfyUI's unload did not reach our patcher"
