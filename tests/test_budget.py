@@ -12,7 +12,7 @@ for the imports five times (CI's 2 cores). Measured: the private (anonymous) mem
 the process just before it, with an allocator that returns every freed block of 64 KiB or more to the system
 (MALLOC_MMAP_THRESHOLD_) so resident memory follows live tensors: the larger of the kernel's exact VmHWM minus the
 file-backed pages the call faulted in (library code run for the first time, no device memory) and RssAnon polled
-every millisecond (tests/rss.py). The two agree within 0.3 MiB in every case here.
+every millisecond (tests/rss.py). The two agreed within 1.5 MiB in every case measured.
 
     .venvs/current/bin/python tests/test_budget.py TINY_FOLDER [CASE ...]   # the figures as JSON
 """
