@@ -125,12 +125,15 @@ def test_consecutive_prompts_all_succeed_with_identical_results(runs, comfy_serv
 
 
 def test_cancelled_prompt_then_next_prompt_gives_uncancelled_result(comfy_server):
-    long_run = {"steps": 120}
+    # Long enough that the cancel, sent at the second progress message, lands mid-run (0.33 sends progress at most
+    # every 100 ms); every step of the two uncancelled runs below costs as much again.
+    steps = 40
+    long_run = {"steps": steps}
     cancelled = comfy_server.run_prompt(_t2v(21, "cancel_a", **long_run), interrupt_after_progress=2)
     assert cancelled.status == "interrupted"
     sampler = node_id_of(_t2v(21, "x"), "WanVACESampler")
     steps_seen = [event["value"] for event in cancelled.progress_events() if event.get("node") == sampler]
-    assert steps_seen and max(steps_seen) < 120
+    assert steps_seen and max(steps_seen) < steps
 
     after = comfy_server.run_prompt(_t2v(21, "cancel_b", **long_run))
     assert after.status == "success", after.error
