@@ -38,39 +38,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+# The one A14B config of the GPU benches, and its tiny twin (every Linear's input width a multiple of 32, as Q8_0
+# blocks need).
+from bench.bench_offload_gpu import A14B, TINY
 from tests.rss import read_status, tensor_bytes
 from wanvace_core.interleave import apply_interleaved_vace
 from wanvace_core.loading import set_tensor
 from wanvace_core.quantized import QuantizedLinear, WeightFormat, replace_linears
 
-A14B = {
-    "patch_size": (1, 2, 2),
-    "num_attention_heads": 40,
-    "attention_head_dim": 128,
-    "in_channels": 16,
-    "out_channels": 16,
-    "text_dim": 4096,
-    "freq_dim": 256,
-    "ffn_dim": 13824,
-    "num_layers": 40,
-    "cross_attn_norm": True,
-    "qk_norm": "rms_norm_across_heads",
-    "eps": 1e-6,
-    "rope_max_seq_len": 1024,
-    "vace_layers": list(range(0, 40, 5)),
-    "vace_in_channels": 96,
-}
-# The same architecture, small enough for a CPU check: every Linear's input width a multiple of 32 (Q8_0 blocks).
-TINY = {
-    **A14B,
-    "num_attention_heads": 2,
-    "attention_head_dim": 32,
-    "text_dim": 64,
-    "freq_dim": 32,
-    "ffn_dim": 128,
-    "num_layers": 4,
-    "vace_layers": [0, 2],
-}
 FORMATS = ("bf16", "fp8", "q8_0")
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
