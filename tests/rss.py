@@ -393,9 +393,81 @@ def measure_load_in_subprocess(
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def run_forked(function, *args) -> dict | None:
+    """`function(*args)` (a dict, sent back as JSON) in a forked copy of this process: one that has the parent's
+    imports but none of its later work. The parent must not have computed anything with torch before the fork
+    (OpenMP's thread pool does not survive one). None if it failed; its traceback is on stderr."""
+    import json
+    import traceback
+
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_end)
+        # The forked copy must never return into the parent's code: it reports, or prints why not, and exits.
+        try:
+            report = json.dumps(function(*args))
+        except BaseException:
+            traceback.print_exc()
+            os._exit(1)
+        with os.fdopen(write_end, "w") as out:
+            out.write(report)
+        os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end) as incoming:
+        text = incoming.read()
+    _, status = os.waitpid(pid, 0)
+    return json.loads(text) if status == 0 and text else None
+
+
+def measure_loads_in_forks(rows, *, threads: int = 2, timeout: float = 900) -> list[dict]:
+    """`measure_load_in_subprocess` for each (loader, source, dtype, weight_dtype) row, paying for the imports once:
+    one subprocess imports every loader's modules, then forks a fresh process per row, before any tensor work."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    rows = [[loader, str(source), dtype, weight_dtype] for loader, source, dtype, weight_dtype in rows]
+    repo = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
+    command = [sys.executable, str(Path(__file__).resolve()), "--forked", str(threads), json.dumps(rows)]
+    done = subprocess.run(command, env=env, cwd=repo, capture_output=True, text=True, timeout=timeout, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command[:3])} ROWS failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _main_forked(threads: int, rows: list[list[str]]) -> None:
+    import json
+
+    # Every module any row's loader imports, before the baseline (as a running ComfyUI has them) and the forks.
+    import diffusers.loaders.single_file_utils  # noqa: F401
+    import gguf  # noqa: F401
+    import torch  # noqa: F401
+    from diffusers import WanVACETransformer3DModel  # noqa: F401
+    from diffusers.quantizers.gguf.utils import dequantize_functions  # noqa: F401
+
+    import wanvace_core.folder
+    import wanvace_core.loading
+    import wanvace_core.quantized
+    import wanvace_core.single_file  # noqa: F401
+
+    results = [
+        run_forked(_measure_load, loader, source, dtype, threads, weight) for loader, source, dtype, weight in rows
+    ]
+    print(json.dumps(results))
+    failed = [row for row, result in zip(rows, results, strict=True) if result is None]
+    if failed:
+        raise SystemExit(f"rows {failed} failed (tracebacks above)")
+
+
 def _main(argv: list[str]) -> None:
     import json
 
+    if argv[0] == "--forked":
+        _main_forked(int(argv[1]), json.loads(argv[2]))
+        return
     loader, source, dtype, threads, *rest = argv
     if loader not in (*LOADERS, SINGLE_FILE_LOADER):
         raise SystemExit(f"loader must be one of {(*LOADERS, SINGLE_FILE_LOADER)}")

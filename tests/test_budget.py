@@ -41,12 +41,6 @@ SAMPLE_SIZE = (13, 512, 512)  # video frames, height, width: 4 latent frames of 
 # 8 latent pixels wide, overlapping 1).
 VAE_SIZE = (5, 64, 128)
 TILE_SIZE, TILE_OVERLAP = 72, 8
-# The sampling estimate measures 0.87 of the peak (2-core AMD EPYC, both sets, 2026-12-02): a known under-estimate
-# (it counts one FFN-sized tensor where GELU holds two, and not the VACE input every VACE block reads), kept failing
-# on purpose (strict) until budget.sampling_activation_bytes is corrected; the correction measured 0.96.
-_SAMPLING_UNDER_ESTIMATE = pytest.mark.xfail(
-    strict=True, reason="budget.sampling_activation_bytes is ~13% below the measured peak; correct it"
-)
 CASES = ("sampling", "decode", "decode_tiled", "encode", "encode_tiled")
 
 # estimate / measured must lie in [LOWEST, HIGHEST]. LOWEST: ComfyUI frees `memory_required` plus its own reserve
@@ -77,9 +71,7 @@ def measured(tiny_folder) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "case", [pytest.param(case, marks=_SAMPLING_UNDER_ESTIMATE) if case == "sampling" else case for case in CASES]
-)
+@pytest.mark.parametrize("case", CASES)
 def test_estimate_is_near_the_measured_peak(case, measured):
     result = measured[case]
     ratio = result["estimate"] / result["measured"]
@@ -223,46 +215,20 @@ def _measure(case: str, folder: str) -> dict:
     }
 
 
-def _forked(case: str, folder: str) -> dict | None:
-    """`_measure(case)` in a forked process: a fresh one, with the parent's imports but none of its work.
-
-    None if it failed; its traceback is on stderr."""
-    import traceback
-
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(read_end)
-        # The forked copy must never return into the parent's code: it reports, or prints why not, and exits.
-        try:
-            report = json.dumps(_measure(case, folder))
-        except BaseException:
-            traceback.print_exc()
-            os._exit(1)
-        with os.fdopen(write_end, "w") as out:
-            out.write(report)
-        os._exit(0)
-    os.close(write_end)
-    with os.fdopen(read_end) as incoming:
-        text = incoming.read()
-    _, status = os.waitpid(pid, 0)
-    return json.loads(text) if status == 0 and text else None
-
-
 def _main(folder: str, cases: list[str]) -> None:
     # Imported here, before any fork, so no case pays for them; nothing may compute before the forks (OpenMP's
     # thread pool does not survive a fork).
     import diffusers  # noqa: F401
     import torch  # noqa: F401
 
-    import tests.rss  # noqa: F401
     import wanvace_core  # noqa: F401
+    from tests.rss import run_forked
     from wanvace_core import runtime, tiling  # noqa: F401
 
     unknown = sorted(set(cases) - set(CASES))
     if unknown:
         raise SystemExit(f"unknown cases {unknown}; known: {CASES}")
-    results = {case: _forked(case, folder) for case in cases or CASES}
+    results = {case: run_forked(_measure, case, folder) for case in cases or CASES}
     print(json.dumps(results))
     failed = [case for case, result in results.items() if result is None]
     if failed:

@@ -19,8 +19,13 @@ def sampling_activation_bytes(model: WanVACEModel, latent_frames: int, height: i
     tokens = (latent_frames // patch_t) * (height // stride // patch_h) * (width // stride // patch_w)
     dim = config.num_attention_heads * config.attention_head_dim
     itemsize = model.transformer_dtype.itemsize
-    # hidden + q, k, v + attention out + VACE hint + control state, FFN inner; two fp32 norm temporaries.
-    return tokens * ((7 * dim + config.ffn_dim) * itemsize + 2 * dim * 4)
+    # The peak is in one of two phases of a block. Attention: hidden, q, k, v, attention out, the VACE hint, the
+    # control state and the VACE input every VACE block reads (8 x dim), with three fp32 norm temporaries. FFN:
+    # the same residents less q, k, v (7 x dim, counting the FFN's input) and two FFN-sized tensors (the linear's
+    # output and GELU's). Plus the rotary cos/sin tables, fp32, per token. Checked in tests/test_budget.py.
+    attention_phase = 8 * dim * itemsize + 3 * dim * 4
+    ffn_phase = (7 * dim + 2 * config.ffn_dim) * itemsize
+    return tokens * (max(attention_phase, ffn_phase) + 2 * config.attention_head_dim * 4)
 
 
 # --- The Wan VAE (AutoencoderKLWan) -------------------------------------------------------------------------
