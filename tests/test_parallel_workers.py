@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -163,8 +164,22 @@ def test_a_hung_worker_times_out_and_is_stopped(reference, tiny_folder):
     parallel.remote.close()
 
 
-def test_freeing_the_model_stops_its_workers(tiny_folder):
+def test_freeing_the_model_stops_its_workers_and_their_ports_are_their_own(tiny_folder, monkeypatch):
+    """A port this process finds free and closes again can be taken by another process before a worker binds it
+    (EADDRINUSE, seen under load): starting the workers binds no socket here; rank 0 binds its ports itself."""
+    bound = []
+    real_bind = socket.socket.bind
+
+    def recording_bind(sock, address):
+        bound.append(address)
+        return real_bind(sock, address)
+
+    monkeypatch.setattr(socket.socket, "bind", recording_bind)
     parallel = _parallel(tiny_folder)
+    monkeypatch.undo()
+    assert bound == []
+    host, port = parallel.remote.workers.control_address()
+    assert host == "127.0.0.1" and port > 0
     pids = parallel.remote.workers.pids
     del parallel
     assert _wait_gone(pids) == []

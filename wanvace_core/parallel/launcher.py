@@ -20,7 +20,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,7 +38,7 @@ from ..sampling import SampleResult, SamplerSettings
 from . import messages
 from .messages import WanVACEWorkerError
 from .options import ParallelOptions
-from .rank import DEVICES_ENV, KEY_ENV, PARENT_ENV
+from .rank import CONTROL_ADDRESS_FILE, DEVICES_ENV, KEY_ENV, PARENT_ENV, RENDEZVOUS_DIR_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -47,12 +46,6 @@ _PACKAGE_PARENT = Path(__file__).resolve().parents[2]  # the folder that holds `
 _POLL_S = 0.2
 _STOP_GRACE_S = 10.0
 _START_S = 180.0
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _tail(path: Path, lines: int = 25) -> str:
@@ -68,16 +61,19 @@ def cpu_threads_per_worker(world_size: int) -> int:
 
 
 class LocalWorkers:
-    """One `python -m wanvace_core.worker` process per listed device, on this machine."""
+    """One `python -m wanvace_core.worker` process per listed device, on this machine.
+
+    No port is picked here: a port found free and then closed can be taken by another process before a worker
+    binds it. Rank 0 binds both of its ports itself (the store's and the control one, each on port 0) and writes
+    them into the workers' private folder, where the other ranks and this process read them.
+    """
 
     def __init__(self, options: ParallelOptions) -> None:
         self.options = options
         self.key = secrets.token_hex(16)
-        self.address = ("127.0.0.1", _free_port())
         self.logs = Path(tempfile.mkdtemp(prefix="wanvace-workers-"))
         world = options.world_size
         threads = cpu_threads_per_worker(world) if options.device_type == "cpu" else None
-        master_port = str(_free_port())
         self.processes: list[subprocess.Popen] = []
         for rank in range(world):
             env = dict(os.environ)
@@ -87,7 +83,7 @@ class LocalWorkers:
                 LOCAL_RANK=str(rank),
                 LOCAL_WORLD_SIZE=str(world),
                 MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=master_port,
+                **{RENDEZVOUS_DIR_ENV: str(self.logs)},
                 PYTHONPATH=os.pathsep.join([str(_PACKAGE_PARENT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
                 **{KEY_ENV: self.key, DEVICES_ENV: ",".join(options.devices), PARENT_ENV: str(os.getpid())},
             )
@@ -100,13 +96,21 @@ class LocalWorkers:
                 "wanvace_core.worker",
                 "--once",
                 "--serve",
-                f"{self.address[0]}:{self.address[1]}",
+                "127.0.0.1:0",
             ]
             self.processes.append(
                 subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(_PACKAGE_PARENT))
             )
             log.close()
         logger.info("Started %d WanVACE workers (%s); logs in %s", world, ",".join(options.devices), self.logs)
+
+    def control_address(self) -> tuple[str, int] | None:
+        """Rank 0's control address once it listens there, else None."""
+        try:
+            host, _, port = (self.logs / CONTROL_ADDRESS_FILE).read_text().rpartition(":")
+        except FileNotFoundError:
+            return None
+        return host, int(port)
 
     def problem(self) -> str | None:
         """Why the workers cannot go on (a rank exited), or None while all run."""
@@ -167,10 +171,10 @@ class RemoteExperts:
         try:
             if self.options.launcher == "local":
                 self.workers = LocalWorkers(self.options)
-                address, key = self.workers.address, self.workers.key.encode()
+                address, key = self.workers.control_address, self.workers.key.encode()
             else:
                 host, _, port = self.options.endpoint.rpartition(":")
-                address, key = (host, int(port)), os.environ.get(KEY_ENV, "wanvace-local-workers").encode()
+                address, key = lambda: (host, int(port)), os.environ.get(KEY_ENV, "wanvace-local-workers").encode()
             self.conn = self._connect(address, key)
             hello = self._receive(max(self.options.timeout_s, _START_S), "to greet")
             if hello["world"] != self.options.world_size:
@@ -210,12 +214,16 @@ class RemoteExperts:
             self.workers.kill()
         self.conn, self.workers = None, None
 
-    def _connect(self, address, key: bytes) -> Connection:
+    def _connect(self, address_of: Callable[[], tuple[str, int] | None], key: bytes) -> Connection:
+        """Connects to rank 0's control address, `address_of()`, None until the workers have chosen it."""
         # Starting Python and importing torch/diffusers takes a while on a busy machine: never less than this.
         wait_s = max(self.options.timeout_s, _START_S)
         deadline = time.monotonic() + wait_s
         while True:
+            address = address_of()
             try:
+                if address is None:
+                    raise ConnectionRefusedError("the workers have not chosen their control port yet")
                 return Client(address, authkey=key)
             except AuthenticationError as error:
                 raise WanVACEWorkerError(
@@ -225,7 +233,7 @@ class RemoteExperts:
             except (ConnectionRefusedError, FileNotFoundError, OSError) as error:
                 self._check_workers()
                 if time.monotonic() > deadline:
-                    where = f"{address[0]}:{address[1]}"
+                    where = "the local workers' control port" if address is None else f"{address[0]}:{address[1]}"
                     raise WanVACEWorkerError(
                         f"no WanVACE worker answered at {where} within {wait_s:g} s "
                         f"({error}); for launcher=torchrun start the workers first (see the README) and give "

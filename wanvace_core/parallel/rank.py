@@ -1,13 +1,14 @@
 """One parallel worker rank: joins the others, loads its part of the experts, runs the requests rank 0 relays.
 
 Started as `python -m wanvace_core.worker`, either by `launcher.LocalWorkers` (one process per listed device,
-on this machine) or by `torchrun` on each machine. All ranks find each other through torch.distributed's
-`env://` rendezvous (torchrun sets its variables; the local launcher sets the same ones). The store of that
-rendezvous carries the requests from rank 0 to the others and each rank's status back, so the compute
+on this machine) or by `torchrun` on each machine. Under torchrun the ranks find each other through
+torch.distributed's `env://` rendezvous; local workers through a store rank 0 opens on a port it binds itself
+and writes into their private folder (`RENDEZVOUS_DIR_ENV`), so no port is ever picked ahead and lost to
+another process. The store carries the requests from rank 0 to the others and each rank's status back, so the compute
 groups (created per loaded model) only ever carry tensors.
 
-Rank 0 also listens on the control address (`--serve host:port`) for the ComfyUI process
-(`launcher.RemoteExperts`), one connection at a time, and speaks `messages` to it.
+Rank 0 also listens on the control address (`--serve host:port`; port 0 picks a free one, written to that
+folder) for the ComfyUI process (`launcher.RemoteExperts`), one connection at a time, and speaks `messages` to it.
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ logger = logging.getLogger("wanvace_core.worker")
 KEY_ENV = "WANVACE_WORKER_KEY"
 DEVICES_ENV = "WANVACE_WORKER_DEVICES"
 PARENT_ENV = "WANVACE_WORKER_PARENT"
+RENDEZVOUS_DIR_ENV = "WANVACE_WORKER_RENDEZVOUS"
+STORE_PORT_FILE = "store_port"
+CONTROL_ADDRESS_FILE = "control_address"
+_RENDEZVOUS_TIMEOUT = timedelta(seconds=600)
 # Idle peers wait this long per try (torch logs every timed-out wait); rank 0 leaving ends the wait at once.
 _POLL = timedelta(seconds=600)
 _CHUNK = 1 << 20
@@ -504,6 +509,32 @@ def _whole_experts(source, dtype: torch.dtype, device: torch.device, spec: dict)
     return load_experts_only(source, dtype, spec["weight_dtype"], device)
 
 
+def _publish(path: Path, text: str) -> None:
+    """Writes `text` so that a reader sees all of it or no file."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
+def _rendezvous() -> tuple[dist.Store, int, int]:
+    """(store, rank, world): torchrun's env:// rendezvous, or for local workers rank 0's store on its own port."""
+    folder = os.environ.get(RENDEZVOUS_DIR_ENV)
+    if not folder:
+        return next(dist.rendezvous("env://", timeout=_RENDEZVOUS_TIMEOUT))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    host, port_file = os.environ.get("MASTER_ADDR", "127.0.0.1"), Path(folder) / STORE_PORT_FILE
+    if rank == 0:
+        store = dist.TCPStore(host, 0, world, True, _RENDEZVOUS_TIMEOUT, wait_for_workers=False)
+        _publish(port_file, str(store.port))
+        return store, rank, world
+    deadline = time.monotonic() + _RENDEZVOUS_TIMEOUT.total_seconds()
+    while not port_file.exists():  # rank 0 is still importing; ComfyUI stops us all if it exits
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 did not write {port_file} within {_RENDEZVOUS_TIMEOUT}")
+        time.sleep(0.05)
+    return dist.TCPStore(host, int(port_file.read_text()), world, False, _RENDEZVOUS_TIMEOUT), rank, world
+
+
 def _watch_parent(parent: int) -> None:
     """A local worker must not outlive ComfyUI, even one killed without cleaning up."""
 
@@ -531,15 +562,18 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("CACHE_DIT_PATCH_FUNCTOR_DISABLE_DIFFUSERS_CHECK", "1")
     if os.environ.get(PARENT_ENV):
         _watch_parent(int(os.environ[PARENT_ENV]))
-    store, rank, world = next(dist.rendezvous("env://", timeout=timedelta(seconds=600)))
+    store, rank, world = _rendezvous()
     worker = Rank(store, rank, world, _device_for(rank))
     if rank != 0:
         worker.serve_peer()
         return 0
     host, _, port = args.serve.rpartition(":")
     with Listener((host, int(port)), authkey=authkey()) as listener:
-        logger.info("rank 0 of %d serving ComfyUI on %s", world, args.serve)
-        print(f"WANVACE_WORKER_READY {args.serve}", flush=True)
+        serving = "{}:{}".format(*listener.address)
+        if os.environ.get(RENDEZVOUS_DIR_ENV):
+            _publish(Path(os.environ[RENDEZVOUS_DIR_ENV]) / CONTROL_ADDRESS_FILE, serving)
+        logger.info("rank 0 of %d serving ComfyUI on %s", world, serving)
+        print(f"WANVACE_WORKER_READY {serving}", flush=True)
         worker.serve_coordinator(listener, keep_serving=not args.once)
     return 0
 
