@@ -294,6 +294,32 @@ def _malloc_trim() -> None:
         pass
 
 
+def _import_single_file_loader() -> None:
+    """The modules the single-file loader imports on first use, imported before a baseline as the folder loader's
+    are (a running ComfyUI has them already)."""
+    import diffusers.loaders.single_file_utils  # noqa: F401
+    import gguf  # noqa: F401
+    from diffusers.quantizers.gguf.utils import dequantize_functions  # noqa: F401
+
+    import wanvace_core.single_file  # noqa: F401
+
+
+def _run_script(arguments: list[str], timeout: float):
+    """This file run as a script in a fresh Python with `arguments`: the JSON of its last line of output."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
+    command = [sys.executable, str(Path(__file__).resolve()), *arguments]
+    done = subprocess.run(command, env=env, cwd=repo, capture_output=True, text=True, timeout=timeout, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)[:400]} failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def _measure_load(loader: str, source: str, dtype_name: str, threads: int, weight_dtype: str = "auto") -> dict:
     """Runs in a fresh process: loads one component and reports time, memory and what was loaded."""
     import gc
@@ -313,12 +339,7 @@ def _measure_load(loader: str, source: str, dtype_name: str, threads: int, weigh
     source = Path(source)
     if loader == SINGLE_FILE_LOADER:
         files = [source]
-        # Modules the single-file loader imports on first use, imported before the baseline as the folder
-        # loader's are (a running ComfyUI has them already).
-        import diffusers.loaders.single_file_utils  # noqa: F401
-        import gguf  # noqa: F401
-        from diffusers.quantizers.gguf.utils import dequantize_functions  # noqa: F401
-
+        _import_single_file_loader()
         from wanvace_core.single_file import load_expert
     else:
         if weight_dtype != "auto":
@@ -379,18 +400,7 @@ def measure_load_in_subprocess(
     loader starts from the same clean state. Keys ending in `_above_baseline` are peaks during the load
     minus the baseline, in bytes.
     """
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    repo = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
-    command = [sys.executable, str(Path(__file__).resolve()), loader, str(source), dtype, str(threads), weight_dtype]
-    done = subprocess.run(command, env=env, cwd=repo, capture_output=True, text=True, timeout=timeout, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return _run_script([loader, str(source), dtype, str(threads), weight_dtype], timeout)
 
 
 def run_forked(function, *args) -> dict | None:
@@ -424,35 +434,23 @@ def measure_loads_in_forks(rows, *, threads: int = 2, timeout: float = 900) -> l
     """`measure_load_in_subprocess` for each (loader, source, dtype, weight_dtype) row, paying for the imports once:
     one subprocess imports every loader's modules, then forks a fresh process per row, before any tensor work."""
     import json
-    import subprocess
-    import sys
-    from pathlib import Path
 
     rows = [[loader, str(source), dtype, weight_dtype] for loader, source, dtype, weight_dtype in rows]
-    repo = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
-    command = [sys.executable, str(Path(__file__).resolve()), "--forked", str(threads), json.dumps(rows)]
-    done = subprocess.run(command, env=env, cwd=repo, capture_output=True, text=True, timeout=timeout, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(command[:3])} ROWS failed ({done.returncode}):\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return _run_script(["--forked", str(threads), json.dumps(rows)], timeout)
 
 
 def _main_forked(threads: int, rows: list[list[str]]) -> None:
     import json
 
     # Every module any row's loader imports, before the baseline (as a running ComfyUI has them) and the forks.
-    import diffusers.loaders.single_file_utils  # noqa: F401
-    import gguf  # noqa: F401
     import torch  # noqa: F401
     from diffusers import WanVACETransformer3DModel  # noqa: F401
-    from diffusers.quantizers.gguf.utils import dequantize_functions  # noqa: F401
 
     import wanvace_core.folder
     import wanvace_core.loading
-    import wanvace_core.quantized
-    import wanvace_core.single_file  # noqa: F401
+    import wanvace_core.quantized  # noqa: F401
 
+    _import_single_file_loader()
     results = [
         run_forked(_measure_load, loader, source, dtype, threads, weight) for loader, source, dtype, weight in rows
     ]

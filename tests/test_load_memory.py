@@ -118,16 +118,15 @@ NOT_KEPT = {"fp8_scaled": 2, "Q8_0": 6}
 
 @pytest.fixture(scope="module")
 def measured(written) -> dict:
-    """Every row's measurement, keyed (loader or file layout, dtype, weight_dtype)."""
-    rows = [("ours", "folder", dtype, "auto") for dtype in FOLDER_DTYPES]
-    rows += [(SINGLE_FILE_LOADER, row.values[0], row.values[1], row.values[2]) for row in SINGLE_FILE_ROWS]
-    results = measure_loads_in_forks(
-        [(loader, written[layout], dtype, weight) for loader, layout, dtype, weight in rows]
-    )
-    return {
-        ("ours" if loader == "ours" else layout, dtype, weight): result
-        for (loader, layout, dtype, weight), result in zip(rows, results, strict=True)
-    }
+    """Every row's measurement, keyed ("ours" or the single file's layout, dtype, weight_dtype)."""
+    keys = [("ours", dtype, "auto") for dtype in FOLDER_DTYPES] + [tuple(row.values[:3]) for row in SINGLE_FILE_ROWS]
+    rows = [
+        ("ours", written["folder"], dtype, weight)
+        if layout == "ours"
+        else (SINGLE_FILE_LOADER, written[layout], dtype, weight)
+        for layout, dtype, weight in keys
+    ]
+    return dict(zip(keys, measure_loads_in_forks(rows), strict=True))
 
 
 @pytest.mark.parametrize(("layout", "dtype", "weight_dtype", "weights"), SINGLE_FILE_ROWS)

@@ -83,9 +83,13 @@ class LocalWorkers:
                 LOCAL_RANK=str(rank),
                 LOCAL_WORLD_SIZE=str(world),
                 MASTER_ADDR="127.0.0.1",
-                **{RENDEZVOUS_DIR_ENV: str(self.logs)},
                 PYTHONPATH=os.pathsep.join([str(_PACKAGE_PARENT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-                **{KEY_ENV: self.key, DEVICES_ENV: ",".join(options.devices), PARENT_ENV: str(os.getpid())},
+                **{
+                    KEY_ENV: self.key,
+                    DEVICES_ENV: ",".join(options.devices),
+                    PARENT_ENV: str(os.getpid()),
+                    RENDEZVOUS_DIR_ENV: str(self.logs),
+                },
             )
             if threads is not None:
                 env["OMP_NUM_THREADS"] = str(threads)

@@ -4,8 +4,8 @@ Started as `python -m wanvace_core.worker`, either by `launcher.LocalWorkers` (o
 on this machine) or by `torchrun` on each machine. Under torchrun the ranks find each other through
 torch.distributed's `env://` rendezvous; local workers through a store rank 0 opens on a port it binds itself
 and writes into their private folder (`RENDEZVOUS_DIR_ENV`), so no port is ever picked ahead and lost to
-another process. The store carries the requests from rank 0 to the others and each rank's status back, so the compute
-groups (created per loaded model) only ever carry tensors.
+another process. The store carries the requests from rank 0 to the others and each rank's status back, so
+the compute groups (created per loaded model) only ever carry tensors.
 
 Rank 0 also listens on the control address (`--serve host:port`; port 0 picks a free one, written to that
 folder) for the ComfyUI process (`launcher.RemoteExperts`), one connection at a time, and speaks `messages` to it.
