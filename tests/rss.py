@@ -358,6 +358,12 @@ def _measure_load(loader: str, source: str, dtype_name: str, threads: int, weigh
             model = WanVACETransformer3DModel.from_pretrained(source, torch_dtype=dtype, use_safetensors=True)
         seconds = time.perf_counter() - start
     after = read_status()
+    # The weight files' own pages: the rest of the file-backed growth is shared-library code that the load ran
+    # for the first time (libtorch_cpu's kernels, 60-70 MiB on some CPUs), not something the load left behind.
+    weight_paths = {os.path.realpath(path) for path in files}
+    weights_file_after = sum(
+        mapping.rss for path, mapping in file_mappings("self", source.parent).items() if path in weight_paths
+    )
     # Read every byte once, as a first forward would: weights used in place from the file get paged in.
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
@@ -383,6 +389,7 @@ def _measure_load(loader: str, source: str, dtype_name: str, threads: int, weigh
         "param_dtypes": param_dtypes,
         "private_after": after["RssAnon"] - peak.baseline["RssAnon"],
         "file_after": after["RssFile"] - peak.baseline["RssFile"],
+        "weights_file_after": weights_file_after,
         "private_after_use": used["RssAnon"] - peak.baseline["RssAnon"],
         "file_after_use": used["RssFile"] - peak.baseline["RssFile"],
         **peak.as_dict(),
