@@ -1,12 +1,14 @@
 """Gloo ranks and parallel workers on this machine (test helpers).
 
-- `RankPool(world)`: `world` spawned processes with `torch.distributed` initialised over gloo on 127.0.0.1, which
+- `RankPool(world)`: `world` processes with `torch.distributed` initialised over gloo on 127.0.0.1, which
   run one module-level function after another: `pool.run(fn, *args)` is `[fn(0, world, *args), ...,
   fn(world-1, world, *args)]`. Arguments and results travel as `torch.save` bytes, so tensors come back bit for
-  bit. The process group is initialised once per pool, which saves the spawn and the torch/diffusers imports
-  (10-20 s per rank on two cores) that each fresh set of ranks costs.
-- `run_ranks(world, fn, *args)`: the same on ranks spawned for this one call, for a check that needs fresh
-  processes (one that measures a process's memory).
+  bit. The process group is initialised once per pool. Ranks are forked from multiprocessing's fork server,
+  which imported torch, diffusers and the pack once (`_PRELOAD`) and has run no tensor work (GNU OpenMP's pool
+  does not survive a fork): a fresh rank then costs a fork, not the 8-10 s of imports a spawned one pays on a
+  busy two-core machine.
+- `run_ranks(world, fn, *args)`: the same on ranks started for this one call, for a check that needs fresh
+  processes (one that measures a process's memory: its baseline is taken in the rank, after the fork).
 - `ServingWorkers(world)`: `python -m wanvace_core.worker` ranks that stay up between loads, as torchrun's do.
 
 Every rendezvous here goes through a TCPStore this process hosts on a port the kernel picked when it bound it:
@@ -41,6 +43,16 @@ REPO = Path(__file__).resolve().parents[1]
 _JOIN_TIMEOUT = timedelta(seconds=600)
 # After one rank failed, how long the others get to report their own error (often the cause) before the kill.
 _FAILURE_GRACE_S = 5.0
+# What the fork server imports before it forks the first rank: what every rank function needs.
+_PRELOAD = [
+    "tests.distributed",
+    "tests.rss",
+    "wanvace_core.parallel.rank",
+    "wanvace_core.parallel.sharding",
+    "wanvace_core.parallel.sequence",
+    "diffusers.models.transformers.transformer_wan_vace",
+    "torch.distributed.tensor",
+]
 
 
 @contextlib.contextmanager
@@ -122,7 +134,8 @@ class RankPool:
         self.close()
 
     def _start(self) -> None:
-        context = mp.get_context("spawn")
+        context = mp.get_context("forkserver")
+        context.set_forkserver_preload(_PRELOAD)  # read when the server starts, with the first pool
         self._store = hosted_store()
         for rank in range(self.world):
             ours, theirs = context.Pipe()
