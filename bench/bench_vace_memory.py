@@ -67,8 +67,10 @@ def measure(args) -> tuple[dict, dict]:
     """(stock diffusers forward, interleaved forward): each one's peak above its start, token count, checksum."""
     code = _CHILD.format(repo=str(REPO), layers=args.layers, vace=args.vace_layers, dim=args.dim, tokens=args.tokens)
     env = {"OMP_NUM_THREADS": "2", "MALLOC_MMAP_THRESHOLD_": "65536"}
-    output = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, env=env).stdout
-    stock, ours = json.loads(output.strip().splitlines()[-1])
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    if child.returncode != 0:
+        raise RuntimeError(f"the measuring subprocess exited with {child.returncode}:\n{child.stderr[-4000:]}")
+    stock, ours = json.loads(child.stdout.strip().splitlines()[-1])
     return stock, ours
 
 

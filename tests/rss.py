@@ -359,7 +359,7 @@ def _measure_load(loader: str, source: str, dtype_name: str, threads: int, weigh
         seconds = time.perf_counter() - start
     after = read_status()
     # The weight files' own pages: the rest of the file-backed growth is shared-library code that the load ran
-    # for the first time (libtorch_cpu's kernels, 60-70 MiB on some CPUs), not something the load left behind.
+    # for the first time (libtorch_cpu and libtorch_python: 63 MiB measured on an AMD EPYC), not a leftover.
     weight_paths = {os.path.realpath(path) for path in files}
     weights_file_after = sum(
         mapping.rss for path, mapping in file_mappings("self", source.parent).items() if path in weight_paths
