@@ -269,16 +269,21 @@ def _refusal_shapes(server, workflow_of, node_id: str, name: str, values: dict[s
     return shapes
 
 
-def _trace_file_calls(pid: int, out: Path) -> subprocess.Popen:
-    """strace of every file system call of the server (all its threads), written to `out` until terminated."""
+def _trace_file_calls(server, out: Path) -> subprocess.Popen:
+    """strace of every file system call of the server (all its threads), written to `out` until terminated. Returns
+    once the trace is live: strace writes nothing while the server makes no file call, so the server is asked to
+    list the experts loader's folders until the trace shows that listing."""
     if shutil.which("strace") is None:
         pytest.fail("strace is missing; scripts/setup.sh installs it (apt-get install strace)", pytrace=False)
-    tracer = subprocess.Popen(["strace", "-f", "-e", "trace=%file", "-o", str(out), "-p", str(pid)])
+    tracer = subprocess.Popen(["strace", "-f", "-e", "trace=%file", "-o", str(out), "-p", str(server.proc.pid)])
     deadline = time.monotonic() + 30
-    # strace names each thread it attached to on stderr-less runs only in `out`, once it traces.
-    while not (out.exists() and out.stat().st_size) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return tracer
+    while time.monotonic() < deadline:
+        server.object_info("WanVACEExpertsLoader")
+        if out.exists() and "/models/diffusion_models" in out.read_text(errors="replace"):
+            return tracer
+        time.sleep(0.1)
+    tracer.terminate()
+    pytest.fail(f"strace saw no listing of models/diffusion_models within 30 s; its output: {out}", pytrace=False)
 
 
 def test_file_inputs_refuse_paths_out_of_their_folders_without_touching_them(comfy_server, outside, tmp_path):
@@ -286,10 +291,8 @@ def test_file_inputs_refuse_paths_out_of_their_folders_without_touching_them(com
     refused at queue time, the same message whether the target exists or not, and (strace) no system call of the
     server names anything outside the model folders."""
     trace = tmp_path / "server.strace"
-    tracer = _trace_file_calls(comfy_server.proc.pid, trace)
+    tracer = _trace_file_calls(comfy_server, trace)
     try:
-        # A request the server answers only after the trace is live: its file calls must show up below.
-        comfy_server.object_info("WanVACEExpertsLoader")
         experts = _i2v_fp8()
         experts_id = _node_id(experts, "WanVACEExpertsLoader")
         for name in _EXPERT_INPUTS:
