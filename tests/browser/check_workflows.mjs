@@ -25,6 +25,9 @@ const WORKFLOW_TIMEOUT_MS = 60_000;
 // Dialogs and toasts appear asynchronously after loadGraphData resolves.
 const SETTLE_MS = 1_500;
 const OVERALL_TIMEOUT_MS = Number(process.env.CHECK_WORKFLOWS_TIMEOUT_MS || 540_000);
+// The workflows are shared out over this many pages, each opening them one after another, so their settle
+// waits overlap (most of a workflow's check is SETTLE_MS of waiting); each extra page costs one app start.
+const PAGES = Number(process.env.CHECK_WORKFLOWS_PAGES || 3);
 
 // PrimeVue dialogs/toasts (current frontend) and the legacy ComfyDialog.
 const DIALOG_SELECTOR = [
@@ -368,47 +371,60 @@ async function main() {
   }
   const report = { url: args.url, startup_console_errors: [], startup_dialogs: [], results: [] };
   try {
-    const context = await browser.newContext({ viewport: { width: 1600, height: 1000 } });
-    // The page may only talk to the local server; anything else is blocked so
-    // a stray CDN or telemetry request cannot hang or leak.
-    const origin = new URL(args.url).origin;
-    await context.route('**/*', (route) => {
-      const u = route.request().url();
-      if (u.startsWith(origin) || u.startsWith('data:') || u.startsWith('blob:')) return route.continue();
-      return route.abort();
-    });
-    const page = await context.newPage();
-    const consoleSink = [];
-    page.on('console', (msg) => {
-      if (msg.type() !== 'error') return;
-      let text = msg.text();
-      // "Failed to load resource" does not name the resource; the location does.
-      const where = msg.location() && msg.location().url;
-      if (where && !text.includes(where)) text = `${text} [${where}]`;
-      consoleSink.push(text);
-    });
-    page.on('pageerror', (err) => consoleSink.push(`pageerror: ${err.message}`));
+    // Each page in its own context: no storage shared, so no page restores another's workflow.
+    const openPage = async () => {
+      const context = await browser.newContext({ viewport: { width: 1600, height: 1000 } });
+      // The page may only talk to the local server; anything else is blocked so
+      // a stray CDN or telemetry request cannot hang or leak.
+      const origin = new URL(args.url).origin;
+      await context.route('**/*', (route) => {
+        const u = route.request().url();
+        if (u.startsWith(origin) || u.startsWith('data:') || u.startsWith('blob:')) return route.continue();
+        return route.abort();
+      });
+      const page = await context.newPage();
+      const consoleSink = [];
+      page.on('console', (msg) => {
+        if (msg.type() !== 'error') return;
+        let text = msg.text();
+        // "Failed to load resource" does not name the resource; the location does.
+        const where = msg.location() && msg.location().url;
+        if (where && !text.includes(where)) text = `${text} [${where}]`;
+        consoleSink.push(text);
+      });
+      page.on('pageerror', (err) => consoleSink.push(`pageerror: ${err.message}`));
 
-    await page.goto(args.url, { waitUntil: 'domcontentloaded', timeout: PAGE_LOAD_TIMEOUT_MS });
-    await page.waitForFunction(
-      () => window.app && window.app.graph && window.LiteGraph && window.app.canvas,
-      null,
-      { timeout: APP_READY_TIMEOUT_MS, polling: 250 },
-    );
-    await page.waitForTimeout(SETTLE_MS);
-    report.startup_console_errors = consoleSink.filter((t) => !isNoise(t));
-    report.startup_dialogs = await page.evaluate(collectDialogs, DIALOG_SELECTOR);
-
-    for (const file of args.files) {
-      const res = await withTimeout(checkWorkflow(page, file, consoleSink, args), WORKFLOW_TIMEOUT_MS, file);
-      report.results.push(res);
-      console.log(
-        `${res.name}: ${res.node_count} nodes, missing=${res.missing_types.length}, ` +
-          `broken=${res.broken_links.length}, invalid_combos=${res.invalid_combos.length}, ` +
-          `hidden=${res.hidden.length}, dialogs=${res.dialogs.length}, ` +
-          `console_errors=${res.console_errors.length}`,
+      await page.goto(args.url, { waitUntil: 'domcontentloaded', timeout: PAGE_LOAD_TIMEOUT_MS });
+      await page.waitForFunction(
+        () => window.app && window.app.graph && window.LiteGraph && window.app.canvas,
+        null,
+        { timeout: APP_READY_TIMEOUT_MS, polling: 250 },
       );
-    }
+      await page.waitForTimeout(SETTLE_MS);
+      report.startup_console_errors.push(...consoleSink.filter((t) => !isNoise(t)));
+      report.startup_dialogs.push(...(await page.evaluate(collectDialogs, DIALOG_SELECTOR)));
+      return { page, consoleSink };
+    };
+
+    const results = new Array(args.files.length);
+    const pages = Math.max(1, Math.min(PAGES, args.files.length));
+    await Promise.all(
+      Array.from({ length: pages }, async (_, first) => {
+        const { page, consoleSink } = await openPage();
+        for (let i = first; i < args.files.length; i += pages) {
+          const file = args.files[i];
+          const res = await withTimeout(checkWorkflow(page, file, consoleSink, args), WORKFLOW_TIMEOUT_MS, file);
+          results[i] = res;
+          console.log(
+            `${res.name}: ${res.node_count} nodes, missing=${res.missing_types.length}, ` +
+              `broken=${res.broken_links.length}, invalid_combos=${res.invalid_combos.length}, ` +
+              `hidden=${res.hidden.length}, dialogs=${res.dialogs.length}, ` +
+              `console_errors=${res.console_errors.length}`,
+          );
+        }
+      }),
+    );
+    report.results = results;
   } finally {
     await browser.close();
   }
