@@ -114,6 +114,15 @@ def test_consecutive_prompts_and_a_cancel_keep_the_same_workers_and_result(refer
     assert cfg_parallel_model.remote.workers.pids == pids
 
 
+def test_a_cancel_that_arrives_after_its_run_ended_is_not_taken_for_the_next_request(reference, cfg_parallel_model):
+    """ComfyUI cancels at a step's progress; when its process is slower to do so than the run is to finish its last
+    steps (seen under load), the cancel reaches rank 0 after the run's answer. The next prompt must not fail on it."""
+    model, cond = reference
+    expected = sample(model, cond, SETTINGS).latents
+    cfg_parallel_model.remote.conn.send_bytes(messages.encode("cancel"))
+    assert torch.equal(sample(cfg_parallel_model, cond, SETTINGS).latents, expected)
+
+
 def test_guidance_one_on_both_experts_is_refused_under_cfg_parallel(reference, cfg_parallel_model):
     _model, cond = reference
     with pytest.raises(WanVACEInputError, match="cfg_parallel is on but both guidance scales"):

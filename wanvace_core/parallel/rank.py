@@ -408,6 +408,10 @@ class Rank:
                 self._relay_and_run({"version": messages.PROTOCOL_VERSION, "kind": "release"}, None)
                 return False
             request = messages.decode(data)
+            if request["kind"] == "cancel":
+                # It came after the run it was meant to stop had finished its last step (ComfyUI's process was
+                # slower to cancel than the run to end): nothing is running, and the next request follows it.
+                continue
             outcome = self._relay_and_run(request, conn)
             try:
                 conn.send_bytes(outcome)
