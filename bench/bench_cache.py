@@ -31,7 +31,7 @@ from wanvace_core import (
     prepare_conditioning,
     sample,
 )
-from wanvace_core.tiny import TinyModelSpec, write_tiny_pipeline
+from wanvace_core.load.tiny import TinyModelSpec, write_tiny_pipeline
 
 
 def _block_counter(model):

@@ -9,7 +9,7 @@ DIR`) as a diffusers component folder (`transformer/`) and as ComfyUI-style sing
 (tests/single_files.py writers: original Wan keys in bf16, legacy scaled fp8, GGUF Q8_0). Then, each in
 a fresh subprocess so that every load starts from the same clean baseline, it loads:
 
-- the folder into each target dtype with `wanvace_core.loading.load_component` ("folder ours") and
+- the folder into each target dtype with `wanvace_core.load.pipeline_folder.load_component` ("folder ours") and
   with `WanVACETransformer3DModel.from_pretrained(folder, torch_dtype=...)` ("folder diffusers");
 - the bf16 single file into each target dtype through the single-file loader ("file bf16");
 - the fp8 / Q8_0 files with `weight_dtype="auto"` (Linear weights kept as stored, "kept") and dequantised

@@ -27,8 +27,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.rss import read_status
-from wanvace_core.interleave import apply_interleaved_vace
-from wanvace_core.offload import EXPERTS, Offloader, OffloadOptions
+from wanvace_core.runtime.interleave import apply_interleaved_vace
+from wanvace_core.runtime.offload import EXPERTS, Offloader, OffloadOptions
 
 A14B = {
     "patch_size": (1, 2, 2),

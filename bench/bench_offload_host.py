@@ -36,10 +36,10 @@ def _worker(mode: str, folders: list[str], steps: int, prefetch: int, threads: i
     from diffusers import WanVACETransformer3DModel
 
     from tests.rss import PeakSampler, read_status
-    from wanvace_core.folder import ComponentFiles, _weight_files
-    from wanvace_core.interleave import apply_interleaved_vace
-    from wanvace_core.loading import load_component
-    from wanvace_core.offload import EXPERTS, Offloader, OffloadOptions, SynchronousTransfer
+    from wanvace_core.load.folder import ComponentFiles, _weight_files
+    from wanvace_core.load.pipeline_folder import load_component
+    from wanvace_core.runtime.interleave import apply_interleaved_vace
+    from wanvace_core.runtime.offload import EXPERTS, Offloader, OffloadOptions, SynchronousTransfer
 
     torch.set_num_threads(threads)
     before = read_status()

@@ -59,10 +59,10 @@ def _rank_run(spec: dict) -> None:
     from diffusers import WanVACETransformer3DModel
     from torch.distributed.device_mesh import init_device_mesh
 
-    from wanvace_core.interleave import apply_interleaved_vace
-    from wanvace_core.parallel.guidance import ParallelGuidance
+    from wanvace_core.generation.guidance import ParallelGuidance
     from wanvace_core.parallel.sequence import apply_ulysses
     from wanvace_core.parallel.sharding import local_shard_bytes, shard_expert
+    from wanvace_core.runtime.interleave import apply_interleaved_vace
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     cuda = spec["device"] == "cuda"
@@ -128,7 +128,7 @@ def _rank_run(spec: dict) -> None:
         peers = dist.ProcessGroupGloo(dist.PrefixStore(f"peers{branch_rank}/", store), branch, 2)
         guidance = ParallelGuidance(branch, peers)
     else:
-        from wanvace_core.sampling import Guidance
+        from wanvace_core.generation.sampling import Guidance
 
         guidance = Guidance()
     times = []

@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from wanvace_core import SamplerSettings, VACEInputs, load_pipeline, prepare_conditioning, sample  # noqa: E402
-from wanvace_core.tiny import write_tiny_pipeline  # noqa: E402
+from wanvace_core.load.tiny import write_tiny_pipeline  # noqa: E402
 
 REAL_LATENT = (1, 16, 1 + 21, 90, 160)
 

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from diffusers import WanVACEPipeline
 
 from wanvace_core import SamplerSettings, VACEInputs, load_pipeline, prepare_conditioning, sample
-from wanvace_core.tiny import TinyModelSpec, write_tiny_pipeline
+from wanvace_core.load.tiny import TinyModelSpec, write_tiny_pipeline
 
 PROMPT, NEGATIVE = "a bird flies over the sea at sunset", "low quality, blurry"
 

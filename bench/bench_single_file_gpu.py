@@ -42,9 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # blocks need).
 from bench.bench_offload_gpu import A14B, TINY
 from tests.rss import read_status, tensor_bytes
-from wanvace_core.interleave import apply_interleaved_vace
-from wanvace_core.loading import set_tensor
-from wanvace_core.quantized import QuantizedLinear, WeightFormat, replace_linears
+from wanvace_core.load.pipeline_folder import set_tensor
+from wanvace_core.load.quantized import QuantizedLinear, WeightFormat, replace_linears
+from wanvace_core.runtime.interleave import apply_interleaved_vace
 
 FORMATS = ("bf16", "fp8", "q8_0")
 FP8 = torch.float8_e4m3fn

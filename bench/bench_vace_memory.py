@@ -24,7 +24,7 @@ import json, sys, torch
 sys.path.insert(0, {repo!r})
 from diffusers import WanVACETransformer3DModel
 from tests.rss import run_forked
-from wanvace_core.interleave import apply_interleaved_vace
+from wanvace_core.runtime.interleave import apply_interleaved_vace
 
 def rss_kb(field):
     for line in open("/proc/self/status"):

@@ -56,7 +56,7 @@ def _latents(args, model):
 
 
 def _estimates(args, model) -> dict:
-    from wanvace_core.tiling import VAETiling, tiled_peak_bytes, untiled_peak_bytes
+    from wanvace_core.generation.tiling import VAETiling, tiled_peak_bytes, untiled_peak_bytes
 
     size = (1 + (args.frames - 1) // 4, args.height, args.width)
     tiling = VAETiling(mode="on", tile_size=args.tile_size, overlap=args.overlap)
@@ -79,7 +79,7 @@ def _child(args) -> None:
     import torch
 
     from wanvace_core import decode
-    from wanvace_core.tiling import VAETiling
+    from wanvace_core.generation.tiling import VAETiling
 
     torch.set_num_threads(args.threads)
     model = _model("cpu", args.dtype)
@@ -122,7 +122,7 @@ def _measure_cuda(args, model) -> tuple[dict, dict]:
     import torch
 
     from wanvace_core import decode
-    from wanvace_core.tiling import VAETiling
+    from wanvace_core.generation.tiling import VAETiling
 
     latents = _latents(args, model)
     results, frames = {}, {}

@@ -14,13 +14,13 @@ from ..wanvace_core import (
     validate_generation_size,
     validate_prompt,
 )
-from ..wanvace_core.conditioning import (
+from ..wanvace_core.generation.conditioning import (
     NEGATIVE_EMBEDS_INPUT,
     POSITIVE_EMBEDS_INPUT,
     TextEmbeddings,
     validate_vace_window,
 )
-from ..wanvace_core.tiling import VAETiling, requested_peak_bytes
+from ..wanvace_core.generation.tiling import VAETiling, requested_peak_bytes
 from ..wanvace_core.validation import nan_refusing_min, validate_range
 from .memory import set_working_memory
 from .tiling import free_device_bytes, tiling_from_inputs, tiling_inputs, validate_tiling_inputs

@@ -5,7 +5,7 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from ..wanvace_core import decode
-from ..wanvace_core.tiling import VAETiling, requested_peak_bytes
+from ..wanvace_core.generation.tiling import VAETiling, requested_peak_bytes
 from .memory import set_working_memory
 from .tiling import free_device_bytes, tiling_from_inputs, tiling_inputs, validate_tiling_inputs
 from .types import CATEGORY, WanVACEModelType

@@ -19,8 +19,8 @@ from ..wanvace_core import (
     inspect_expert_files,
     load_expert_files,
 )
+from ..wanvace_core.load.single_file import DEFAULT_BOUNDARY_RATIO, file_stamps, resident_bytes
 from ..wanvace_core.parallel import ParallelOptions
-from ..wanvace_core.single_file import DEFAULT_BOUNDARY_RATIO, file_stamps, resident_bytes
 from ..wanvace_core.validation import nan_refusing_min
 from .held import forget_last, forget_on_unload, hold, reusable
 from .memory import cooperate, make_room_before_loading

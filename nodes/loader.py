@@ -17,9 +17,8 @@ from ..wanvace_core import (
     inspect_pipeline_folder,
     load_pipeline,
 )
-from ..wanvace_core.loading import file_stamps
-from ..wanvace_core.parallel import ParallelOptions
-from ..wanvace_core.single_file import (
+from ..wanvace_core.load.pipeline_folder import file_stamps
+from ..wanvace_core.load.single_file import (
     DEFAULT_BOUNDARY_RATIO,
     ORIGINAL_VAE,
     find_original_folders,
@@ -27,6 +26,7 @@ from ..wanvace_core.single_file import (
     is_original_folder,
     original_folder_files,
 )
+from ..wanvace_core.parallel import ParallelOptions
 from .experts_loader import load_held_experts
 from .held import forget_last, forget_on_unload, hold, reusable
 from .memory import cooperate, make_room_before_loading

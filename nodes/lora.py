@@ -8,7 +8,7 @@ import folder_paths
 from comfy_api.latest import io
 
 from ..wanvace_core import WanVACEError, WanVACEInputError
-from ..wanvace_core.lora import LoraPatch, check_lora
+from ..wanvace_core.runtime.lora import LoraPatch, check_lora
 from ..wanvace_core.validation import nan_refusing_min
 from .model_files import resolve_listed_file
 from .types import CATEGORY, WanVACEModelType

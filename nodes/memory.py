@@ -3,7 +3,7 @@
 ComfyUI tracks what is on the GPU as `LoadedModel` entries around `ModelPatcher` objects. Ours is a
 real `comfy.model_patcher.ModelPatcher` subclass (so every method either ComfyUI version calls
 exists and behaves) whose `model` is a weightless placeholder: the weights stay with our residency
-(`wanvace_core.offload`), which moves them itself. ComfyUI is told:
+(`wanvace_core.runtime.offload`), which moves them itself. ComfyUI is told:
 
 - `model_size()`: the weight bytes we hold on the device plus the bytes about to load;
 - `loaded_size()`: the weight bytes we hold on the device now;

@@ -6,8 +6,8 @@ import comfy.model_management
 from comfy_api.latest import io
 
 from ..wanvace_core import SCHEDULERS, SamplerSettings, WanVACEInputError, sample, to_vae_space
-from ..wanvace_core.budget import sampling_activation_bytes
-from ..wanvace_core.sampling import validate_scheduler
+from ..wanvace_core.generation.budget import sampling_activation_bytes
+from ..wanvace_core.generation.sampling import validate_scheduler
 from ..wanvace_core.validation import nan_refusing_min
 from .memory import set_working_memory
 from .preview import step_previewer

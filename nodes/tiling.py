@@ -6,7 +6,7 @@ import comfy.model_management
 from comfy_api.latest import io
 
 from ..wanvace_core import WanVACEInputError
-from ..wanvace_core.tiling import TILING_MODES, VAETiling
+from ..wanvace_core.generation.tiling import TILING_MODES, VAETiling
 from ..wanvace_core.validation import validate_range
 
 _DEFAULT = VAETiling()

@@ -21,7 +21,7 @@ sys.path[:0] = [str(REPO / "tests"), str(REPO)]
 from comfy_server import ComfyServer, count_video_frames, write_example_inputs  # noqa: E402
 from workflow_graphs import TINY_MODEL, WORKFLOWS, for_tiny_model  # noqa: E402
 
-from wanvace_core.tiny import write_tiny_pipeline  # noqa: E402
+from wanvace_core.load.tiny import write_tiny_pipeline  # noqa: E402
 
 
 def main() -> int:

@@ -13,7 +13,7 @@ if str(REPO) not in sys.path:
 from tests.distributed import RankPools, threads_of_workers  # noqa: E402
 from tests.single_files import ComfyModels, comfy_components, write_comfy_models  # noqa: E402
 from wanvace_core import load_pipeline  # noqa: E402
-from wanvace_core.tiny import COMFY_SHAPED, TinyModelSpec, write_tiny_pipeline  # noqa: E402
+from wanvace_core.load.tiny import COMFY_SHAPED, TinyModelSpec, write_tiny_pipeline  # noqa: E402
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 

@@ -47,7 +47,7 @@ _FAILURE_GRACE_S = 5.0
 _PRELOAD = [
     "tests.distributed",
     "tests.rss",
-    "wanvace_core.parallel.rank",
+    "wanvace_core.worker",
     "wanvace_core.parallel.sharding",
     "wanvace_core.parallel.sequence",
     "diffusers.models.transformers.transformer_wan_vace",
@@ -287,7 +287,7 @@ class ServingWorkers:
         return self.logs / f"start{self.starts}-rank{rank}.log"
 
     def _start(self, attempts: int = 3) -> None:
-        from wanvace_core.parallel.rank import DEVICES_ENV, PARENT_ENV
+        from wanvace_core.worker import DEVICES_ENV, PARENT_ENV
 
         for attempt in range(attempts):
             self.starts += 1

@@ -16,7 +16,7 @@ same content written in each format must give the same model:
 
 Original names come from `tests/single_files.py` (the inverse of diffusers' weight-name converter).
 `hand_merged` edits a model's weights directly with `W + strength * alpha / rank * B @ A` and
-`p + strength * diff`, independently of `wanvace_core.lora`.
+`p + strength * diff`, independently of `wanvace_core.runtime.lora`.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def _expert(model_or_expert) -> torch.nn.Module:
 
 def linear_names(model_or_expert) -> list[str]:
     """Names of every Linear of an expert (nn.Linear and the pack's QuantizedLinear)."""
-    from wanvace_core.quantized import QuantizedLinear
+    from wanvace_core.load.quantized import QuantizedLinear
 
     return [
         name

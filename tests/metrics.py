@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from wanvace_core.caching import CacheOptions, CacheReport
+from wanvace_core.runtime.caching import CacheOptions, CacheReport
 
 
 def expected_block_calls(report: CacheReport, options: CacheOptions, num_layers: int) -> dict[str, int]:

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from wanvace_core.interleave import stock_execution_order
-from wanvace_core.offload import EXPERTS
-from wanvace_core.transfer import SynchronousTransfer
+from wanvace_core.runtime.interleave import stock_execution_order
+from wanvace_core.runtime.offload import EXPERTS
+from wanvace_core.runtime.transfer import SynchronousTransfer
 
 
 def _first_weight(block: torch.nn.Module) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import save_file
 
 from tests.single_files import original_wan_state_dict, original_wan_vae_state_dict
-from wanvace_core.tiny import write_tokenizer_files
+from wanvace_core.load.tiny import write_tokenizer_files
 
 
 def wan_t5_state_dict(text_encoder) -> dict[str, torch.Tensor]:

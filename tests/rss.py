@@ -193,7 +193,7 @@ def cpu_count() -> int:
 # --- Load measurement: a transformer-only folder and a worker process that loads it --------------------
 
 LOADERS = ("ours", "diffusers")
-# One expert loaded from a single file through the single-file loader (`wanvace_core.single_file`).
+# One expert loaded from a single file through the single-file loader (`wanvace_core.load.single_file`).
 SINGLE_FILE_LOADER = "single"
 # Single-file layouts `write_single_files` writes (tests/single_files.py writers), by file name.
 SINGLE_FILE_FORMATS = {
@@ -301,7 +301,7 @@ def _import_single_file_loader() -> None:
     import gguf  # noqa: F401
     from diffusers.quantizers.gguf.utils import dequantize_functions  # noqa: F401
 
-    import wanvace_core.single_file  # noqa: F401
+    import wanvace_core.load.single_file  # noqa: F401
 
 
 def _run_script(arguments: list[str], timeout: float):
@@ -329,9 +329,9 @@ def _measure_load(loader: str, source: str, dtype_name: str, threads: int, weigh
     import torch
     from diffusers import WanVACETransformer3DModel
 
-    from wanvace_core.folder import ComponentFiles, _weight_files
-    from wanvace_core.loading import DTYPES, load_component
-    from wanvace_core.quantized import QuantizedLinear
+    from wanvace_core.load.folder import ComponentFiles, _weight_files
+    from wanvace_core.load.pipeline_folder import DTYPES, load_component
+    from wanvace_core.load.quantized import QuantizedLinear
 
     torch.set_num_threads(threads)
     sys.setswitchinterval(0.0005)  # let the sampler thread in often while the loader holds the GIL
@@ -340,7 +340,7 @@ def _measure_load(loader: str, source: str, dtype_name: str, threads: int, weigh
     if loader == SINGLE_FILE_LOADER:
         files = [source]
         _import_single_file_loader()
-        from wanvace_core.single_file import load_expert
+        from wanvace_core.load.single_file import load_expert
     else:
         if weight_dtype != "auto":
             raise ValueError(f"weight_dtype={weight_dtype!r} is a single-file option; the {loader} loader has none")
@@ -453,9 +453,9 @@ def _main_forked(threads: int, rows: list[list[str]]) -> None:
     import torch  # noqa: F401
     from diffusers import WanVACETransformer3DModel  # noqa: F401
 
-    import wanvace_core.folder
-    import wanvace_core.loading
-    import wanvace_core.quantized  # noqa: F401
+    import wanvace_core.load.folder
+    import wanvace_core.load.pipeline_folder
+    import wanvace_core.load.quantized  # noqa: F401
 
     _import_single_file_loader()
     results = [

@@ -686,7 +686,7 @@ def comfy_components(spec=None) -> dict:
     """
     from transformers import UMT5EncoderModel
 
-    from wanvace_core.tiny import COMFY_SHAPED, build_tiny_components
+    from wanvace_core.load.tiny import COMFY_SHAPED, build_tiny_components
 
     spec = COMFY_SHAPED if spec is None else spec
     components = build_tiny_components(spec)
@@ -745,7 +745,7 @@ def write_comfy_models(models_dir: str | Path, components: dict, *, formats: Ite
     `{"high": {"base": Path, "vace": Path}, ...}`), `{"umt5_fp16": Path, "umt5_fp8_scaled": Path,
     "vae": Path}` for the others. The low-noise expert is skipped for a one-expert (Wan2.1) component set.
     """
-    from wanvace_core.tiny import sentencepiece_model_bytes
+    from wanvace_core.load.tiny import sentencepiece_model_bytes
 
     formats = tuple(formats)
     unknown = set(formats) - set(ALL_FORMATS)

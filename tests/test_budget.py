@@ -133,10 +133,10 @@ def _measure(case: str, folder: str) -> dict:
     from diffusers import AutoencoderKLWan
 
     from tests.rss import PeakSampler, read_status
-    from wanvace_core import SamplerSettings, VACEInputs, budget, decode, load_pipeline, prepare_conditioning, sample
-    from wanvace_core.offload import OffloadOptions
-    from wanvace_core.runtime import compose
-    from wanvace_core.tiling import VAETiling
+    from wanvace_core import SamplerSettings, VACEInputs, decode, load_pipeline, prepare_conditioning, sample
+    from wanvace_core.generation import budget
+    from wanvace_core.generation.tiling import VAETiling
+    from wanvace_core.runtime.plan import RuntimePlan, apply_plan
 
     torch.set_num_threads(2)
     model = load_pipeline(folder, "fp32")
@@ -150,7 +150,7 @@ def _measure(case: str, folder: str) -> dict:
         torch.manual_seed(0)
         model.vae = AutoencoderKLWan().eval().requires_grad_(False)
     model._helper = None  # the diffusers helper is rebuilt over the new components
-    compose(model, OffloadOptions())  # the interleaved forward and the residency, as load_pipeline sets them up
+    apply_plan(model, RuntimePlan())  # the interleaved forward and the residency, as load_pipeline sets them up
     coarse = torch.rand(3, frames, 8, 8, generator=generator)
     clip = torch.nn.functional.interpolate(coarse[None], size=(frames, height, width), mode="trilinear")[0]
     inputs = VACEInputs(
@@ -223,7 +223,8 @@ def _main(folder: str, cases: list[str]) -> None:
 
     import wanvace_core  # noqa: F401
     from tests.rss import run_forked
-    from wanvace_core import runtime, tiling  # noqa: F401
+    from wanvace_core.generation import tiling  # noqa: F401
+    from wanvace_core.runtime import plan  # noqa: F401
 
     unknown = sorted(set(cases) - set(CASES))
     if unknown:

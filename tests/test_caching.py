@@ -231,7 +231,7 @@ def test_a_cache_that_does_not_attach_fails_loudly(model, monkeypatch):
 
 
 def test_a_dropped_calibrator_fails_loudly(model, monkeypatch):
-    from wanvace_core import caching
+    from wanvace_core.runtime import caching
 
     monkeypatch.setattr(caching.CachedExperts, "_calibrator_config", lambda self: None)
     with pytest.raises(WanVACECacheError, match="TaylorSeer was enabled"):
@@ -304,7 +304,7 @@ def test_parity_with_cache_dit_on_diffusers_pipeline(mode, model, tiny_folder):
 def test_a_failure_after_cache_dit_attached_leaves_the_model_as_it_was(model, monkeypatch):
     import cache_dit
 
-    from wanvace_core.interleave import uses_interleaved_vace
+    from wanvace_core.runtime.interleave import uses_interleaved_vace
 
     cond = _cond(model, "v2v")
     baseline = sample(model, cond, _settings()).latents

@@ -28,12 +28,12 @@ from tests.comfy_server import COMFY_SKIPPED, DEFAULT_COMFY_DIR
 from tests.single_files import comfy_components, write_umt5
 from tests.vace_tasks import HEIGHT, LENGTH, WIDTH
 from wanvace_core import SamplerSettings, VACEInputs, WanVACEInputError, load_pipeline, prepare_conditioning, sample
-from wanvace_core.conditioning import (
+from wanvace_core.generation.conditioning import (
     TextEmbeddings,
     prompt_embeds_from_text_embeddings,
     validate_text_embeddings,
 )
-from wanvace_core.tiny import COMFY_SHAPED, sentencepiece_model_bytes, write_tiny_pipeline
+from wanvace_core.load.tiny import COMFY_SHAPED, sentencepiece_model_bytes, write_tiny_pipeline
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT_DIM = COMFY_SHAPED.text_dim

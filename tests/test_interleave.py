@@ -7,7 +7,7 @@ import torch
 
 from tests.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH, build_task
 from wanvace_core import CacheOptions, ExpertCacheLimits, SamplerSettings, VACEInputs, prepare_conditioning, sample
-from wanvace_core.interleave import execution_order, uses_interleaved_vace
+from wanvace_core.runtime.interleave import execution_order, uses_interleaved_vace
 
 
 def _forward_inputs(model):

@@ -31,8 +31,8 @@ from wanvace_core import (
     prepare_conditioning,
     sample,
 )
-from wanvace_core.lora import LoraPatch, applied_loras, check_lora, load_lora
-from wanvace_core.offload import SynchronousTransfer
+from wanvace_core.runtime.lora import LoraPatch, applied_loras, check_lora, load_lora
+from wanvace_core.runtime.offload import SynchronousTransfer
 
 INPUTS = VACEInputs(positive="a bird flies over the sea", negative="blurry", width=64, height=48, length=5)
 # 3 steps at the tiny model's shift 3: timesteps 999 (high-noise expert, CFG) then 857 and 600 (low-noise).
@@ -319,8 +319,8 @@ def test_lora_with_each_offload_mode_equals_the_run_on_device(options, base, con
 def test_lora_on_kept_fp8_weights_equals_the_hand_merged_dequantised_model(tmp_path):
     from tests.single_files import comfy_components, write_expert, write_umt5, write_vae
     from wanvace_core import ExpertFiles, load_expert_files
-    from wanvace_core.quantized import QuantizedLinear
-    from wanvace_core.tiny import sentencepiece_model_bytes
+    from wanvace_core.load.quantized import QuantizedLinear
+    from wanvace_core.load.tiny import sentencepiece_model_bytes
 
     components = comfy_components()
     files = ExpertFiles(
@@ -392,11 +392,11 @@ def test_invalid_patches_are_refused(kwargs, message, lora_path):
 
 def test_applied_loras_logs_what_it_applied(base, lora_path, caplog):
     with (
-        caplog.at_level(logging.INFO, logger="wanvace_core.lora"),
+        caplog.at_level(logging.INFO, logger="wanvace_core.runtime.lora"),
         applied_loras(base, [LoraPatch(lora_path, 1.0, 0.0)]),
     ):
         pass
-    lines = [record.getMessage() for record in caplog.records if record.name == "wanvace_core.lora"]
+    lines = [record.getMessage() for record in caplog.records if record.name == "wanvace_core.runtime.lora"]
     assert len(lines) == 1 and lora_path.name in lines[0] and "high-noise expert" in lines[0], lines
 
 

@@ -27,8 +27,8 @@ from wanvace_core import (
     sample,
     to_vae_space,
 )
-from wanvace_core.interleave import execution_order
-from wanvace_core.offload import COMPONENTS, Offloader, SynchronousTransfer
+from wanvace_core.runtime.interleave import execution_order
+from wanvace_core.runtime.offload import COMPONENTS, Offloader, SynchronousTransfer
 
 SETTINGS = SamplerSettings(seed=9, steps=6, cfg=5.0, cfg_low_noise=4.0)
 
@@ -235,7 +235,7 @@ def test_cuda_offload_matches_none_and_keeps_weights_off_the_device(mode, prefet
 
 
 def test_layerwise_follows_cache_dit_block_order_while_caching(tiny_folder):
-    from wanvace_core.interleave import stock_execution_order
+    from wanvace_core.runtime.interleave import stock_execution_order
 
     never = ExpertCacheLimits(max_warmup_steps=1000)
     transfer = MeasuredTransfer()
@@ -345,7 +345,7 @@ class _RecordingBroker:
 
 
 def test_a_failed_reload_leaves_nothing_loaded_and_the_next_one_works(tiny_folder, reference, monkeypatch):
-    import wanvace_core.loading as loading
+    import wanvace_core.load.pipeline_folder as loading
 
     model = load_pipeline(tiny_folder, "fp32")
     model.release_device_memory()

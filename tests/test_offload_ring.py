@@ -23,7 +23,7 @@ from wanvace_core import (
     attach_offload,
     load_pipeline,
 )
-from wanvace_core.transfer import RingTransfer, Unit, ring_transfer
+from wanvace_core.runtime.transfer import RingTransfer, Unit, ring_transfer
 
 
 @pytest.fixture(scope="module")

@@ -166,7 +166,7 @@ def test_single_files_shard_in_the_workers_bitwise(tmp_path, serving, comfy_comp
     """Comfy-style single files (original Wan keys), sharded by the workers from the files' rows."""
     from tests.single_files import write_expert, write_umt5, write_vae
     from wanvace_core import ExpertFiles, load_expert_files
-    from wanvace_core.tiny import sentencepiece_model_bytes
+    from wanvace_core.load.tiny import sentencepiece_model_bytes
 
     components = comfy_components_default  # COMFY_SHAPED, shaped as single files are read (head dim 128)
     files = ExpertFiles(

@@ -24,9 +24,9 @@ from wanvace_core import (
     prepare_conditioning,
     sample,
 )
-from wanvace_core.interleave import apply_interleaved_vace, uses_interleaved_vace
+from wanvace_core.load.tiny import TinyModelSpec, write_tiny_pipeline
 from wanvace_core.parallel.sequence import apply_ulysses, remove_ulysses, ulysses_group
-from wanvace_core.tiny import TinyModelSpec, write_tiny_pipeline
+from wanvace_core.runtime.interleave import apply_interleaved_vace, uses_interleaved_vace
 
 # fp32 on CPU. Measured max abs differences: Ulysses 2 on the 2-head model 0.0 for the expert forward and for
 # 12 sampled steps; Ulysses 4 on the 4-head model 4.8e-7 for the forward and 2.5e-6 for the latents.

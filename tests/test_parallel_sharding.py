@@ -34,7 +34,6 @@ from tests.single_files import PREFIX, original_wan_state_dict, truncate_copy, w
 from tests.vace_tasks import NEGATIVE, PROMPT
 from wanvace_core import (
     ExpertFiles,
-    OffloadOptions,
     SamplerSettings,
     VACEInputs,
     WanVACEError,
@@ -44,8 +43,9 @@ from wanvace_core import (
     prepare_conditioning,
     sample,
 )
-from wanvace_core.folder import ComponentFiles
-from wanvace_core.interleave import apply_interleaved_vace, current_execution_order, uses_interleaved_vace
+from wanvace_core.load.folder import ComponentFiles
+from wanvace_core.load.tiny import TinyModelSpec, write_tiny_pipeline
+from wanvace_core.load.weight_files import give_back_freed_heap
 from wanvace_core.parallel.sharding import (
     load_sharded_expert,
     load_sharded_experts,
@@ -53,9 +53,8 @@ from wanvace_core.parallel.sharding import (
     prefetch_in_order,
     shard_expert,
 )
-from wanvace_core.runtime import compose
-from wanvace_core.tiny import TinyModelSpec, write_tiny_pipeline
-from wanvace_core.weight_files import give_back_freed_heap
+from wanvace_core.runtime.interleave import apply_interleaved_vace, current_execution_order, uses_interleaved_vace
+from wanvace_core.runtime.plan import RuntimePlan, apply_plan
 
 pytestmark = pytest.mark.slow
 
@@ -149,7 +148,7 @@ def _around(reference, experts):
         boundary_ratio=reference.boundary_ratio,
         weights=reference.weights,
     )
-    compose(model, OffloadOptions())  # the interleaved forward, installed over the FSDP-sharded experts
+    apply_plan(model, RuntimePlan())  # the interleaved forward, installed over the FSDP-sharded experts
     return model
 
 

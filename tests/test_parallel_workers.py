@@ -230,7 +230,7 @@ def test_requests_of_720p_size_cross_the_store_whole():
     import torch.distributed as dist
 
     from tests.distributed import hosted_store
-    from wanvace_core.parallel.rank import StoreRelay
+    from wanvace_core.worker import StoreRelay
 
     host = hosted_store()
     client = dist.TCPStore("127.0.0.1", host.port, 2, False, timedelta(seconds=30))

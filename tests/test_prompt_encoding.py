@@ -11,7 +11,7 @@ from sentencepiece import SentencePieceProcessor
 from transformers import T5TokenizerFast
 
 from tests.vace_tasks import NEGATIVE, PROMPT
-from wanvace_core.tiny import write_tokenizer_files
+from wanvace_core.load.tiny import write_tokenizer_files
 
 TEXTS = (
     PROMPT,

@@ -7,7 +7,7 @@ import torch
 
 from tests.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH, build_task
 from wanvace_core import SamplerSettings, VACEInputs, WanVACEInputError, prepare_conditioning, sample
-from wanvace_core.conditioning import full_length_video_and_mask
+from wanvace_core.generation.conditioning import full_length_video_and_mask
 
 
 def sample_latents(*args, **kwargs) -> torch.Tensor:
@@ -187,7 +187,7 @@ def test_reference_images_add_latent_frames_that_are_removed_from_the_output(loa
 
 def test_conditioning_from_another_model_is_refused(loaded_models, tiny_folder, tmp_path):
     from wanvace_core import load_pipeline
-    from wanvace_core.tiny import TinyModelSpec, write_tiny_pipeline
+    from wanvace_core.load.tiny import TinyModelSpec, write_tiny_pipeline
 
     model = loaded_models("fp32")
     other = load_pipeline(write_tiny_pipeline(tmp_path / "wide", TinyModelSpec(text_dim=48)), "fp32")

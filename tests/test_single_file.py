@@ -38,10 +38,10 @@ from wanvace_core import (
     prepare_conditioning,
     sample,
 )
-from wanvace_core.offload import tensor_bytes
-from wanvace_core.quantized import QuantizedLinear
-from wanvace_core.single_file import find_original_folders, original_folder_files
-from wanvace_core.tiny import COMFY_SHAPED, TinyModelSpec, sentencepiece_model_bytes
+from wanvace_core.load.quantized import QuantizedLinear
+from wanvace_core.load.single_file import find_original_folders, original_folder_files
+from wanvace_core.load.tiny import COMFY_SHAPED, TinyModelSpec, sentencepiece_model_bytes
+from wanvace_core.runtime.offload import tensor_bytes
 
 pytestmark = pytest.mark.slow
 
@@ -360,7 +360,7 @@ def test_kept_weights_stream_through_the_cuda_ring_as_stored_bytes(models_dir, f
     its slots are sized by the kept blocks, and the result equals the plain run bitwise."""
     from tests.simulated_streams import SimulatedStreamOps
     from wanvace_core import attach_offload
-    from wanvace_core.transfer import RingTransfer
+    from wanvace_core.runtime.transfer import RingTransfer
 
     _root, written = models_dir
     files = _files(written, fmt)
@@ -490,7 +490,7 @@ def test_non_wan_files_are_refused(tmp_path, good_files):
 
 
 def test_experts_of_two_sizes_are_refused(tmp_path, good_files):
-    from wanvace_core.tiny import build_tiny_components
+    from wanvace_core.load.tiny import build_tiny_components
 
     bigger = build_tiny_components(TinyModelSpec(**{**COMFY_SHAPED.__dict__, "num_layers": 6, "vace_layers": (0, 3)}))
     other = write_expert(tmp_path / "other_low.safetensors", bigger["transformer_2"])
@@ -559,7 +559,7 @@ def test_unknown_gguf_quantisation_is_refused(tmp_path, good_files):
 
 
 def test_wrong_text_encoder_width_and_wan22_vae_are_refused(tmp_path, components, good_files):
-    from wanvace_core.tiny import build_tiny_components
+    from wanvace_core.load.tiny import build_tiny_components
 
     narrow = build_tiny_components(TinyModelSpec(text_dim=32))["text_encoder"]
     path = write_umt5(tmp_path / "narrow.safetensors", narrow, sentencepiece_model_bytes())

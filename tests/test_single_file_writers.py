@@ -282,7 +282,7 @@ def test_gguf_expert_reads_back_with_city96s_types(tmp_path, transformer, source
 
 
 def test_umt5_file_has_comfys_layout(tmp_path, components):
-    from wanvace_core.tiny import sentencepiece_model_bytes
+    from wanvace_core.load.tiny import sentencepiece_model_bytes
 
     encoder = components["text_encoder"]
     spiece = sentencepiece_model_bytes()
@@ -301,7 +301,7 @@ def test_umt5_file_has_comfys_layout(tmp_path, components):
 
 
 def test_umt5_fp8_scaled_quantises_the_seven_linears_of_every_block(tmp_path, components):
-    from wanvace_core.tiny import sentencepiece_model_bytes
+    from wanvace_core.load.tiny import sentencepiece_model_bytes
 
     encoder = components["text_encoder"]
     path = sf.write_umt5(

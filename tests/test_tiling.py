@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from wanvace_core import WanVACEInputError, decode, to_vae_space
-from wanvace_core.tiling import VAETiling, vae_tiling
+from wanvace_core.generation.tiling import VAETiling, vae_tiling
 
 SIZE = 64  # pixels; 8x8 latent pixels
 LATENT_FRAMES = 2
@@ -164,7 +164,7 @@ def test_off_overrides_tiling_the_vae_had_and_restores_it(model, latents, untile
 
 @pytest.mark.slow
 def test_auto_tiles_only_when_the_untiled_estimate_does_not_fit(model, latents, untiled_frames, caplog):
-    caplog.set_level(logging.INFO, logger="wanvace_core.tiling")
+    caplog.set_level(logging.INFO, logger="wanvace_core.generation.tiling")
     auto = VAETiling(mode="auto", tile_size=TILES.tile_size, overlap=TILES.overlap)
     with counting(model.vae.decoder) as calls:
         plenty = decode(model, latents, auto, free_bytes=2**50)
@@ -186,7 +186,7 @@ def test_auto_tiles_only_when_the_untiled_estimate_does_not_fit(model, latents, 
 
 
 def test_auto_decides_at_the_untiled_estimate(model):
-    from wanvace_core.tiling import untiled_peak_bytes
+    from wanvace_core.generation.tiling import untiled_peak_bytes
 
     auto = VAETiling(mode="auto")
     for encode, frames in ((False, 21), (True, 81)):
@@ -200,7 +200,7 @@ def test_auto_decides_at_the_untiled_estimate(model):
 
 
 def test_tiled_estimate_is_below_untiled_at_720p(model):
-    from wanvace_core.tiling import tiled_peak_bytes, untiled_peak_bytes
+    from wanvace_core.generation.tiling import tiled_peak_bytes, untiled_peak_bytes
 
     tiling = VAETiling(mode="on")
     for encode, frames in ((False, 21), (True, 81)):

@@ -22,7 +22,7 @@ from wanvace_core import (
     validate_generation_size,
     validate_vace_inputs,
 )
-from wanvace_core.sampling import scheduled_timesteps
+from wanvace_core.generation.sampling import scheduled_timesteps
 from wanvace_core.validation import nan_refusing_min, validate_finite, validate_integer
 
 NAN, INF = float("nan"), float("inf")

@@ -1,7 +1,14 @@
-"""ComfyUI-free core of ComfyUI-WanVACE: loading, VACE conditioning, dual-expert sampling, decoding."""
+"""ComfyUI-free core of ComfyUI-WanVACE: loading, VACE conditioning, dual-expert sampling, decoding.
 
-from .caching import CACHE_MODES, CacheOptions, CacheReport, ExpertCacheLimits, WanVACECacheError
-from .conditioning import (
+Its packages import one way only, each from the ones after it: `generation` (conditioning, sampling,
+decoding) → `runtime` (the ordered runtime plan and what it applies) → `parallel` (worker launch, relay,
+Ulysses, FSDP) → `load` (files, layouts, quantised weights, tokenizers) → `errors` / `validation`. Above them
+sit this module's names (the API the nodes use) and `worker` (a parallel worker's process).
+`tests/test_core_imports.py` refuses any import against that order, any cycle, and any ComfyUI import.
+"""
+
+from .errors import WanVACEError, WanVACEInputError, WanVACEModelFolderError
+from .generation.conditioning import (
     VACEConditioning,
     VACEInputs,
     prepare_conditioning,
@@ -9,17 +16,18 @@ from .conditioning import (
     validate_prompt,
     validate_vace_inputs,
 )
-from .decoding import decode, to_vae_space
-from .errors import WanVACEError, WanVACEInputError, WanVACEModelFolderError
-from .folder import find_pipeline_folders, inspect_pipeline_folder
-from .loading import DTYPES, load_pipeline
-from .lora import LoraPatch, check_lora
-from .model import WanVACEModel
-from .offload import OFFLOAD_MODES, DeviceMemoryBroker, OffloadOptions, Residency
-from .runtime import attach_offload
-from .sampling import SCHEDULERS, SampleResult, SamplerSettings, sample
-from .single_file import WEIGHT_DTYPES, ExpertFiles, inspect_expert_files, load_expert_files
-from .tiling import VAETiling
+from .generation.decoding import decode, to_vae_space
+from .generation.sampling import SCHEDULERS, SampleResult, SamplerSettings, sample
+from .generation.tiling import VAETiling
+from .load.folder import find_pipeline_folders, inspect_pipeline_folder
+from .load.pipeline_folder import DTYPES
+from .load.single_file import WEIGHT_DTYPES, ExpertFiles, inspect_expert_files
+from .runtime.caching import CACHE_MODES, CacheOptions, CacheReport, ExpertCacheLimits, WanVACECacheError
+from .runtime.loaders import load_expert_files, load_pipeline
+from .runtime.lora import LoraPatch, check_lora
+from .runtime.model import WanVACEModel
+from .runtime.offload import OFFLOAD_MODES, DeviceMemoryBroker, OffloadOptions, Residency
+from .runtime.plan import RuntimePlan, attach_offload, build_model
 
 __all__ = [
     "CACHE_MODES",
@@ -35,6 +43,7 @@ __all__ = [
     "LoraPatch",
     "OffloadOptions",
     "Residency",
+    "RuntimePlan",
     "SampleResult",
     "SamplerSettings",
     "VACEConditioning",
@@ -46,6 +55,7 @@ __all__ = [
     "WanVACEModel",
     "WanVACEModelFolderError",
     "attach_offload",
+    "build_model",
     "check_lora",
     "decode",
     "find_pipeline_folders",

@@ -27,7 +27,7 @@ TRUNCATED = "wanvace-truncated"
 
 
 def _write_models(models_dir: Path) -> None:
-    from wanvace_core.tiny import TinyModelSpec, write_tiny_pipeline
+    from wanvace_core.load.tiny import TinyModelSpec, write_tiny_pipeline
 
     two = write_tiny_pipeline(models_dir / TINY_TWO_EXPERTS, TinyModelSpec(two_experts=True))
     write_tiny_pipeline(models_dir / TINY_SINGLE_EXPERT, TinyModelSpec(two_experts=False))

@@ -322,7 +322,7 @@ def test_comfy_decodes_like_diffusers(vae_result):
 
 
 def _text_encoder_job(components: dict, work: Path) -> dict:
-    from wanvace_core.tiny import sentencepiece_model_bytes
+    from wanvace_core.load.tiny import sentencepiece_model_bytes
 
     encoder = components["text_encoder"]
     spiece = sentencepiece_model_bytes()

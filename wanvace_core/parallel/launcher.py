@@ -32,13 +32,10 @@ from pathlib import Path
 
 import torch
 
-from ..caching import CacheOptions
-from ..conditioning import VACEConditioning
-from ..sampling import SampleResult, SamplerSettings
 from . import messages
 from .messages import WanVACEWorkerError
 from .options import ParallelOptions
-from .rank import CONTROL_ADDRESS_FILE, DEVICES_ENV, KEY_ENV, PARENT_ENV, RENDEZVOUS_DIR_ENV
+from .relay import CONTROL_ADDRESS_FILE, DEVICES_ENV, KEY_ENV, PARENT_ENV, RENDEZVOUS_DIR_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -290,19 +287,23 @@ class RemoteExperts:
 
     def sample(
         self,
-        cond: VACEConditioning,
-        settings: SamplerSettings,
+        cond,
+        settings,
         callback: Callable[[int, int, torch.Tensor], None] | None,
-        cache: CacheOptions | None,
+        cache,
         tokens: int,
-    ) -> SampleResult:
-        """Runs `sample` in the workers; `tokens` is the run's sequence length (checked against Ulysses)."""
+    ) -> tuple[torch.Tensor, dict | None]:
+        """Runs `sample` in the workers: (latents, the cache report's fields or None).
+
+        `cond`, `settings` and `cache` are the sampler's dataclasses (`cache` may be None); `tokens` is the run's
+        sequence length (checked against Ulysses).
+        """
         self.options.check_guidance(settings.cfg, settings.cfg_low_noise)
         self.options.check_tokens(tokens)
         if not self.running:
             self.start()  # the previous workers died or hung: fresh ones
         fields = {
-            "cond": messages.conditioning_fields(cond),
+            "cond": messages.tensor_fields(cond),
             "settings": messages.plain(settings),
             "cache": None if cache is None else messages.plain(cache),
         }
@@ -329,7 +330,7 @@ class RemoteExperts:
         if message["kind"] == "cancelled":
             raise WanVACEWorkerError(f"the WanVACE workers stopped the run: {message['error']}")
         message = self._outcome(message, "to sample")
-        return SampleResult(latents=message["latents"], cache_report=messages.report_from(message["report"]))
+        return message["latents"], message["report"]
 
 
 def _close_quietly(conn: Connection | None, workers: LocalWorkers | None, launcher: str) -> None:
@@ -345,13 +346,14 @@ def _close_quietly(conn: Connection | None, workers: LocalWorkers | None, launch
         workers.stop()
 
 
-def remote_experts(model, options: ParallelOptions, offload, source: dict) -> RemoteExperts:
-    """The workers' side of `model` (experts on meta here), checked against the model; not started yet."""
+def remote_experts(model, options: ParallelOptions, offload) -> RemoteExperts:
+    """The workers' side of `model` (its experts on meta here, `model.worker_source` saying where the workers read
+    them), checked against the model; not started yet. `offload` are the offload options the workers apply."""
     options.check_heads(model.reference_expert.config.num_attention_heads)
     options.check_devices(torch.cuda.device_count() if options.device_type == "cuda" else 0)
     request = {
         "options": messages.plain(options),
-        "source": source,
+        "source": model.worker_source,
         "torch_dtype": str(model.dtype).removeprefix("torch."),
         "offload": messages.plain(offload),
         "vae_config": dict(model.vae.config),

@@ -12,12 +12,7 @@ import io
 
 import torch
 
-from ..caching import CacheOptions, CacheReport, ExpertCacheLimits, ExpertCacheReport
-from ..conditioning import VACEConditioning
 from ..errors import WanVACEError
-from ..offload import OffloadOptions
-from ..sampling import SamplerSettings
-from .options import ParallelOptions
 
 PROTOCOL_VERSION = 1
 
@@ -48,55 +43,15 @@ def plain(value) -> dict:
     return dataclasses.asdict(value)
 
 
-def settings_from(fields: dict) -> SamplerSettings:
-    return SamplerSettings(**fields)
-
-
-def cache_from(fields: dict | None) -> CacheOptions | None:
-    if fields is None:
-        return None
-    fields = dict(fields)
-    for name in ("high_noise", "low_noise"):
-        fields[name] = ExpertCacheLimits(**fields[name])
-    return CacheOptions(**fields)
-
-
-def offload_from(fields: dict) -> OffloadOptions:
-    return OffloadOptions(**fields)
-
-
-def parallel_from(fields: dict) -> ParallelOptions:
-    fields = dict(fields)
-    fields["devices"] = tuple(fields["devices"])
-    return ParallelOptions(**fields)
-
-
-def conditioning_fields(cond: VACEConditioning) -> dict:
-    """On the wire as CPU tensors: a worker on another machine has its own device numbering."""
+def tensor_fields(value) -> dict:
+    """A dataclass's fields, tensors as CPU tensors: a worker on another machine has its own device numbering."""
     return {
-        field.name: value.cpu() if isinstance(value, torch.Tensor) else value
-        for field in dataclasses.fields(cond)
-        for value in [getattr(cond, field.name)]
+        field.name: item.cpu() if isinstance(item, torch.Tensor) else item
+        for field in dataclasses.fields(value)
+        for item in [getattr(value, field.name)]
     }
 
 
-def conditioning_from(fields: dict, device: torch.device) -> VACEConditioning:
-    return VACEConditioning(
-        **{name: value.to(device) if isinstance(value, torch.Tensor) else value for name, value in fields.items()}
-    )
-
-
-def report_from(fields: dict | None) -> CacheReport | None:
-    if fields is None:
-        return None
-    experts = tuple(
-        ExpertCacheReport(
-            **{
-                **expert,
-                "cached_steps": tuple(expert["cached_steps"]),
-                "cfg_cached_steps": tuple(expert["cfg_cached_steps"]),
-            }
-        )
-        for expert in fields["experts"]
-    )
-    return CacheReport(mode=fields["mode"], experts=experts)
+def on_device(fields: dict, device: torch.device) -> dict:
+    """`tensor_fields`' inverse: the tensors moved onto `device`."""
+    return {name: item.to(device) if isinstance(item, torch.Tensor) else item for name, item in fields.items()}

@@ -73,6 +73,11 @@ class ParallelOptions:
     endpoint: str = DEFAULT_ENDPOINT
     timeout_s: float = 600.0
 
+    @classmethod
+    def from_plain(cls, fields: dict) -> ParallelOptions:
+        """The inverse of `dataclasses.asdict` (how the options travel to the workers)."""
+        return cls(**{**fields, "devices": tuple(fields["devices"])})
+
     def __post_init__(self) -> None:
         devices = parse_devices(",".join(self.devices)) if not isinstance(self.devices, str) else None
         if devices is None:

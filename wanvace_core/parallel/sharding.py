@@ -50,13 +50,13 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from ..errors import WanVACEError, WanVACEInputError, WanVACEModelFolderError
-from ..folder import TRANSFORMER_COMPONENTS, ComponentFiles, inspect_pipeline_folder
-from ..loading import DTYPES, build_on_meta, component_class, fp32_module_names, set_tensor
-from ..offload import block_lists_of
-from ..quantized import QuantizedLinear, WeightFormat, replace_linears
-from ..single_file import WEIGHT_DTYPES, ExpertFiles, inspect_expert_files, plan_placements
-from ..wan_layouts import Layout
-from ..weight_files import PickleWeightFile, StoredTensor, WeightFile, give_back_freed_heap, open_weight_file
+from ..load.folder import TRANSFORMER_COMPONENTS, ComponentFiles, inspect_pipeline_folder
+from ..load.loaded import block_lists_of
+from ..load.pipeline_folder import DTYPES, build_on_meta, component_class, fp32_module_names, set_tensor
+from ..load.quantized import QuantizedLinear, WeightFormat, replace_linears
+from ..load.single_file import WEIGHT_DTYPES, ExpertFiles, inspect_expert_files, plan_placements
+from ..load.wan_layouts import Layout
+from ..load.weight_files import PickleWeightFile, StoredTensor, WeightFile, give_back_freed_heap, open_weight_file
 
 logger = logging.getLogger(__name__)
 
@@ -298,6 +298,86 @@ def _check_device(mesh: DeviceMesh, device: torch.device) -> None:
         )
 
 
+@dataclass(frozen=True)
+class ShardSources:
+    """Where each rank reads its rows of one meta-built expert from, and the dtype its parameters take."""
+
+    tensors: dict[str, _TensorSource]
+    dtype: torch.dtype
+    where: str
+
+
+def meta_expert(
+    source: ComponentFiles | Layout, *, dtype: torch.dtype | str, weight_dtype: str = "auto"
+) -> tuple[nn.Module, ShardSources]:
+    """One expert built on meta, and where its tensors are; every header is checked, nothing is allocated.
+
+    `source`: a diffusers component (`inspect_pipeline_folder(...).components["transformer"]`) or a single-file
+    expert layout (`single_file.inspect_expert_files(...)["transformer"]`; `weight_dtype` as the single-file
+    loader takes it).
+    """
+    torch_dtype = _torch_dtype(dtype)
+    if isinstance(source, ComponentFiles):
+        index_path = source.folder.parent / "model_index.json"
+        if not index_path.is_file():
+            raise WanVACEModelFolderError(
+                f"{source.folder} is not inside a diffusers pipeline folder (no {index_path.name} beside it), so its "
+                "model class is unknown; pass the component of inspect_pipeline_folder(<pipeline folder>)."
+            )
+        expert = build_on_meta(component_class(json.loads(index_path.read_text()), source.name), source.folder)
+        tensors = _folder_sources(source)
+        where, remedy = str(source.folder), "the download is incomplete or the files belong to another model"
+    else:
+        if weight_dtype not in WEIGHT_DTYPES:
+            raise WanVACEInputError(
+                f"weight_dtype={weight_dtype!r} is not supported; choose one of {', '.join(WEIGHT_DTYPES)}."
+            )
+        expert = source.build_on_meta()
+        tensors = _single_file_sources(source, expert, torch_dtype, weight_dtype)
+        where, remedy = source.description, "the file is incomplete or belongs to another model"
+    _check_sources(expert, tensors, where, remedy)
+    return expert, ShardSources(tensors, torch_dtype, where)
+
+
+def meta_experts(
+    source: str | Path | ExpertFiles, dtype: torch.dtype | str, *, weight_dtype: str = "auto"
+) -> dict[str, tuple[nn.Module, ShardSources]]:
+    """`meta_expert` for each expert of a diffusers pipeline folder or of single files (those present).
+
+    Every header is read and checked before any rank allocates a shard, so a truncated or foreign file is
+    refused naming it, on every rank alike.
+    """
+    if isinstance(source, ExpertFiles):
+        layouts = inspect_expert_files(source)
+        experts = {name: layouts[name] for name in TRANSFORMER_COMPONENTS if name in layouts}
+    else:
+        components = inspect_pipeline_folder(source).components
+        experts = {name: components[name] for name in TRANSFORMER_COMPONENTS if name in components}
+    return {name: meta_expert(expert, dtype=dtype, weight_dtype=weight_dtype) for name, expert in experts.items()}
+
+
+def shard_and_fill(
+    expert: nn.Module, sources: ShardSources, mesh: DeviceMesh, device: torch.device | str, cpu_offload: bool = False
+) -> nn.Module:
+    """Shards the meta-built `expert` (`shard_expert`), then streams each rank's rows from `sources`.
+
+    Shards live on `device`, or in host memory with `cpu_offload`; the fp32-kept parameters and the RoPE
+    tables are whole on `device` in both cases. Returned ready to run (eval, no grad).
+    """
+    device = torch.device(device)
+    _check_device(mesh, device)
+    shard_expert(expert, mesh, dtype=sources.dtype, cpu_offload=cpu_offload)
+    # The RoPE tables were computed at build time (buffers are not built on meta); to_empty would leave
+    # them uninitialised, so they are kept aside and put back on the compute device.
+    computed = {name: buffer for name, buffer in expert.named_buffers() if not buffer.is_meta}
+    expert.to_empty(device="cpu" if cpu_offload else device)
+    for name, buffer in computed.items():
+        set_tensor(expert, name, buffer.to(device))
+    _fill_local_shards(expert, sources.tensors, device)
+    logger.info("Loaded %s sharded over %s (%s)", sources.where, tuple(mesh.mesh.shape), sources.dtype)
+    return expert.eval().requires_grad_(False)
+
+
 def load_sharded_expert(
     source: ComponentFiles | Layout,
     mesh: DeviceMesh,
@@ -307,45 +387,15 @@ def load_sharded_expert(
     cpu_offload: bool = False,
     weight_dtype: str = "auto",
 ) -> nn.Module:
-    """One FSDP2-sharded expert: built on meta, sharded, then each rank's rows streamed from the files.
+    """One FSDP2-sharded expert with no other runtime step: `meta_expert`, then `shard_and_fill`.
 
-    `source`: a diffusers component (`inspect_pipeline_folder(...).components["transformer"]`) or a single-file
-    expert layout (`single_file.inspect_expert_files(...)["transformer"]`; `weight_dtype` as the single-file
-    loader takes it). Shards live on `device`, or in host memory with `cpu_offload`; the fp32-kept parameters
-    and the RoPE tables are whole on `device` in both cases. Returned ready to run (eval, no grad).
+    The workers go through `runtime.plan` instead, which puts the interleaved forward and Ulysses on the
+    meta-built expert before it is sharded.
     """
-    torch_dtype = _torch_dtype(dtype)
     device = torch.device(device)
     _check_device(mesh, device)
-    if isinstance(source, ComponentFiles):
-        index_path = source.folder.parent / "model_index.json"
-        if not index_path.is_file():
-            raise WanVACEModelFolderError(
-                f"{source.folder} is not inside a diffusers pipeline folder (no {index_path.name} beside it), so its "
-                "model class is unknown; pass the component of inspect_pipeline_folder(<pipeline folder>)."
-            )
-        expert = build_on_meta(component_class(json.loads(index_path.read_text()), source.name), source.folder)
-        sources = _folder_sources(source)
-        where, remedy = str(source.folder), "the download is incomplete or the files belong to another model"
-    else:
-        if weight_dtype not in WEIGHT_DTYPES:
-            raise WanVACEInputError(
-                f"weight_dtype={weight_dtype!r} is not supported; choose one of {', '.join(WEIGHT_DTYPES)}."
-            )
-        expert = source.build_on_meta()
-        sources = _single_file_sources(source, expert, torch_dtype, weight_dtype)
-        where, remedy = source.description, "the file is incomplete or belongs to another model"
-    _check_sources(expert, sources, where, remedy)
-    shard_expert(expert, mesh, dtype=torch_dtype, cpu_offload=cpu_offload)
-    # The RoPE tables were computed at build time (buffers are not built on meta); to_empty would leave
-    # them uninitialised, so they are kept aside and put back on the compute device.
-    computed = {name: buffer for name, buffer in expert.named_buffers() if not buffer.is_meta}
-    expert.to_empty(device="cpu" if cpu_offload else device)
-    for name, buffer in computed.items():
-        set_tensor(expert, name, buffer.to(device))
-    _fill_local_shards(expert, sources, device)
-    logger.info("Loaded %s sharded over %s (%s)", where, tuple(mesh.mesh.shape), torch_dtype)
-    return expert.eval().requires_grad_(False)
+    expert, sources = meta_expert(source, dtype=dtype, weight_dtype=weight_dtype)
+    return shard_and_fill(expert, sources, mesh, device, cpu_offload)
 
 
 def load_sharded_experts(
@@ -357,22 +407,12 @@ def load_sharded_experts(
     *,
     weight_dtype: str = "auto",
 ) -> dict[str, nn.Module]:
-    """The sharded experts of a diffusers pipeline folder or of single files: {"transformer", "transformer_2"}.
-
-    Only the experts present are returned (a Wan2.1 folder has one). Every header is read and checked before
-    any rank allocates a shard, so a truncated or foreign file is refused naming it, on every rank alike.
-    """
-    if isinstance(source, ExpertFiles):
-        layouts = inspect_expert_files(source)
-        experts = {name: layouts[name] for name in TRANSFORMER_COMPONENTS if name in layouts}
-    else:
-        components = inspect_pipeline_folder(source).components
-        experts = {name: components[name] for name in TRANSFORMER_COMPONENTS if name in components}
+    """`load_sharded_expert` for each expert of a pipeline folder or of single files: {"transformer", ...}."""
+    device = torch.device(device)
+    _check_device(mesh, device)
     return {
-        name: load_sharded_expert(
-            expert, mesh, dtype=dtype, device=device, cpu_offload=cpu_offload, weight_dtype=weight_dtype
-        )
-        for name, expert in experts.items()
+        name: shard_and_fill(expert, sources, mesh, device, cpu_offload)
+        for name, (expert, sources) in meta_experts(source, dtype, weight_dtype=weight_dtype).items()
     }
 
 

@@ -8,7 +8,7 @@ tokens x tokens matrix is counted.
 
 from __future__ import annotations
 
-from .model import WanVACEModel
+from ..runtime.model import WanVACEModel
 
 
 def sampling_activation_bytes(model: WanVACEModel, latent_frames: int, height: int, width: int) -> int:

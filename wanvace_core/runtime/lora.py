@@ -40,8 +40,10 @@ from pathlib import Path
 
 import torch
 
-from .errors import WanVACEInputError
-from .validation import validate_finite
+from ..errors import WanVACEInputError
+from ..load.quantized import QuantizedLinear
+from ..validation import validate_finite
+from .offload import OnDevice
 
 logger = logging.getLogger(__name__)
 
@@ -337,7 +339,6 @@ class _Change:
 
 
 def _is_linear(module: torch.nn.Module) -> bool:
-    from .quantized import QuantizedLinear
 
     return isinstance(module, (torch.nn.Linear, QuantizedLinear))
 
@@ -573,7 +574,6 @@ class _BoundParameters:
 
 def _compute_dtype(linear: torch.nn.Module, model_dtype: torch.dtype) -> torch.dtype:
     """The dtype a Linear computes in: its own for float weights (fp32-kept layers stay fp32), else the model's."""
-    from .quantized import QuantizedLinear
 
     if isinstance(linear, QuantizedLinear) or linear.weight.dtype not in _FLOAT_DTYPES:
         return model_dtype
@@ -581,7 +581,6 @@ def _compute_dtype(linear: torch.nn.Module, model_dtype: torch.dtype) -> torch.d
 
 
 def _offload_mode(model) -> str:
-    from .offload import OnDevice
 
     residency = model.residency
     if residency is None or isinstance(residency, OnDevice):
@@ -604,7 +603,6 @@ def _expert_changes(model, patches: Sequence[LoraPatch]) -> list[tuple[str, Lora
 
 
 def _refuse_merge(model, planned) -> None:
-    from .quantized import QuantizedLinear
 
     for _attribute, patch, _strength, changes in planned:
         if not patch.merge:

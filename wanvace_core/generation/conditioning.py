@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import WanVACEInputError
-from .model import WanVACEModel
+from ..errors import WanVACEInputError
+from ..runtime.model import WanVACEModel
+from ..validation import validate_finite, validate_integer
 from .tiling import VAETiling, vae_tiling
-from .validation import validate_finite, validate_integer
 
 _PAD_GREY = 0.5
 # The node inputs that carry an encoded prompt; refusals name them.

@@ -20,13 +20,11 @@ from pathlib import Path
 
 import torch
 
-from .errors import WanVACEModelFolderError
+from ..errors import WanVACEModelFolderError
 from .folder import walk_model_folders
-from .loading import DTYPES, finish_filling, fp32_module_names, meta_stand_in, set_tensor
-from .model import WanVACEModel
-from .offload import OffloadOptions
+from .loaded import EXPERT_NAMES, LoadedPipeline
+from .pipeline_folder import DTYPES, finish_filling, fp32_module_names, meta_stand_in, set_tensor
 from .quantized import QuantizedLinear, WeightFormat, replace_linears
-from .runtime import compose
 from .tokenizer import t5_tokenizer_from_sentencepiece
 from .wan_layouts import Layout, Source, expert_layout, umt5_layout, vae_layout
 from .weight_files import give_back_freed_heap, open_weight_file
@@ -323,18 +321,18 @@ def inspect_expert_files(files: ExpertFiles) -> dict[str, Layout]:
     return layouts
 
 
-def load_expert_files(
+def read_expert_files(
     files: ExpertFiles,
     dtype: str = "bf16",
     weight_dtype: str = "auto",
     boundary_ratio: float | None = DEFAULT_BOUNDARY_RATIO,
     device: str | torch.device = "cpu",
-    offload: OffloadOptions | None = None,
-    parallel=None,
-) -> WanVACEModel:
-    """Loads a WanVACE pipeline from single files (see `ExpertFiles`); same result type as `load_pipeline`.
+    experts_on_meta: bool = False,
+) -> LoadedPipeline:
+    """Reads a WanVACE pipeline from single files (see `ExpertFiles`) onto `device`.
 
-    With `parallel` (`ParallelOptions`) the experts load in parallel workers, as `load_pipeline` does.
+    With `experts_on_meta` the experts are only built on meta, carrying their config (parallel workers load
+    them from `worker_source`), as `pipeline_folder.read_pipeline_folder` does.
     """
     if dtype not in DTYPES:
         raise WanVACEModelFolderError(f"dtype={dtype!r} is not supported; choose one of {', '.join(DTYPES)}.")
@@ -349,18 +347,16 @@ def load_expert_files(
         )
     torch_dtype = DTYPES[dtype]
     device = torch.device(device)
-    offload = offload or OffloadOptions()
-    load_device = device if offload.mode == "none" else torch.device("cpu")
     layouts = inspect_expert_files(files)
     modules, placements = {}, {}
     for name, layout in layouts.items():
-        if parallel is not None and name in ("transformer", "transformer_2"):
+        if experts_on_meta and name in EXPERT_NAMES:
             # Loaded by the workers; here only the config is needed.
             modules[name], placements[name] = meta_stand_in(layout.build_on_meta(), torch_dtype), {}
             continue
         # The text encoder stays plain: transformers' T5 casts activations to its `wo` weight dtype.
-        keep = name in ("transformer", "transformer_2")
-        modules[name], placements[name] = _load(layout, torch_dtype, weight_dtype, load_device, keep)
+        keep = name in EXPERT_NAMES
+        modules[name], placements[name] = _load(layout, torch_dtype, weight_dtype, device, keep)
     tokenizer = _tokenizer(Path(files.text_encoder), layouts["text_encoder"], files.tokenizer)
     from diffusers import UniPCMultistepScheduler
 
@@ -371,7 +367,7 @@ def load_expert_files(
         weight_dtype,
         ", ".join(layout.description for layout in layouts.values()),
     )
-    model = WanVACEModel(
+    return LoadedPipeline(
         source=Path(files.high_noise_model),
         dtype=torch_dtype,
         device=device,
@@ -383,21 +379,13 @@ def load_expert_files(
         scheduler_config=scheduler_config,
         boundary_ratio=float(boundary_ratio) if two_experts else None,
         weights=SingleFileWeights(layouts, placements),
-    )
-    if parallel is not None:
-        from .parallel.launcher import remote_experts
-
-        source = {
+        worker_source={
             "kind": "files",
             "files": _plain_files(files),
             "weight_dtype": weight_dtype,
             "path": str(files.high_noise_model),
-        }
-        model.remote = remote_experts(model, parallel, offload, source)
-    compose(model, offload)
-    if model.remote is not None:
-        model.remote.start()
-    return model
+        },
+    )
 
 
 def load_experts_only(
@@ -406,9 +394,7 @@ def load_experts_only(
     """Just the experts of `files`, whole (a parallel worker with shard=none); fp8/GGUF kept as `load_expert_files`."""
     layouts = inspect_expert_files(files)
     return {
-        name: _load(layouts[name], dtype, weight_dtype, device, True)[0]
-        for name in ("transformer", "transformer_2")
-        if name in layouts
+        name: _load(layouts[name], dtype, weight_dtype, device, True)[0] for name in EXPERT_NAMES if name in layouts
     }
 
 

@@ -9,7 +9,6 @@ are cast to the transformer dtype for each call, as diffusers does, so results m
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,12 +17,13 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
 from diffusers.utils.torch_utils import randn_tensor
 
-from .caching import CachedExperts, CacheOptions, CacheReport, ExpertRun
+from ..errors import WanVACEInputError
+from ..runtime.caching import CachedExperts, CacheOptions, CacheReport, ExpertRun
+from ..runtime.model import WanVACEModel
+from ..runtime.plan import planned_run
+from ..validation import validate_finite, validate_integer
 from .conditioning import VACEConditioning
-from .errors import WanVACEInputError
-from .lora import applied_loras
-from .model import WanVACEModel
-from .validation import validate_finite, validate_integer
+from .guidance import Guidance
 
 logger = logging.getLogger(__name__)
 
@@ -177,16 +177,6 @@ def _check_conditioning_matches(model: WanVACEModel, cond: VACEConditioning) -> 
         )
 
 
-@contextlib.contextmanager
-def _released_on_error(model: WanVACEModel):
-    """A run that raises (cancel, OOM) must not leave weights on the device until the next prompt."""
-    try:
-        yield
-    except BaseException:
-        model.residency.settle()
-        raise
-
-
 def _expert_runs(
     model: WanVACEModel, plan: _ExpertPlan, timesteps, settings: SamplerSettings, guidance: Guidance
 ) -> list[ExpertRun]:
@@ -201,27 +191,6 @@ def _expert_runs(
         ExpertRun(attribute, steps, guidance.calls_per_step(scales[attribute]) == 2)
         for attribute, steps in counts.items()
     ]
-
-
-class Guidance:
-    """How one step's prediction is made from the expert: cond, then uncond when the scale is above 1.0.
-
-    `sample` asks this for every step; a parallel run replaces it (`parallel.guidance`) with one that
-    computes each branch on its own devices. Both combine `uncond + scale * (cond - uncond)` in the same order.
-    """
-
-    def calls_per_step(self, scale: float) -> int:
-        """Expert calls this process makes per step (cache-dit's separate-CFG bookkeeping needs it)."""
-        return 2 if scale > 1.0 else 1
-
-    def predict(self, expert, scale: float, cond: VACEConditioning, common: dict) -> torch.Tensor:
-        with expert.cache_context("cond"):
-            noise_pred = expert(encoder_hidden_states=cond.prompt_embeds, **common)[0]
-        if scale > 1.0:
-            with expert.cache_context("uncond"):
-                noise_uncond = expert(encoder_hidden_states=cond.negative_prompt_embeds, **common)[0]
-                noise_pred = noise_uncond + scale * (noise_pred - noise_uncond)
-        return noise_pred
 
 
 @torch.no_grad()
@@ -243,7 +212,8 @@ def sample(
                 "LoRAs are not supported yet with experts in parallel workers; disconnect the parallel input of the "
                 "loader, or the WanVACE LoRA Loader."
             )
-        return model.remote.sample(cond, settings, callback, cache, tokens=sequence_length(model, cond))
+        latents, report = model.remote.sample(cond, settings, callback, cache, tokens=sequence_length(model, cond))
+        return SampleResult(latents=latents, cache_report=None if report is None else CacheReport.from_plain(report))
     guidance = guidance or Guidance()
     _check_conditioning_matches(model, cond)
     scheduler, timesteps = scheduled_timesteps(model, settings)
@@ -253,12 +223,7 @@ def sample(
     latents = initial_noise(model, cond, settings.seed)
     dtype = model.transformer_dtype
     no_hints = torch.zeros_like(cond.conditioning_scale)
-    with contextlib.ExitStack() as run:
-        run.enter_context(_released_on_error(model))
-        if model.loras:
-            run.enter_context(applied_loras(model, model.loras))
-        if cached is not None:
-            run.enter_context(cached)
+    with planned_run(model, cached):
         for index, t in enumerate(timesteps):
             expert, scale = plan.pick(model, t, settings)
             latent_input = latents.to(dtype)

@@ -1,4 +1,4 @@
-"""The loaded pipeline: components plus the facts the sampler needs, and a prompt-embedding cache."""
+"""A loaded pipeline made runnable: its residency, parallel workers, per-run LoRAs and a prompt-embedding cache."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import threading
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-from .offload import Residency, WeightSource, tensor_bytes
+from ..load.loaded import LoadedPipeline, tensor_bytes
+from .offload import Residency
 
 logger = logging.getLogger(__name__)
 
@@ -24,29 +24,15 @@ def _log_release(source: str) -> None:
 
 
 @dataclass(eq=False)
-class WanVACEModel:
-    """A WanVACE pipeline loaded into memory.
+class WanVACEModel(LoadedPipeline):
+    """A WanVACE pipeline ready to run (`runtime.plan.build_model` makes one from a `LoadedPipeline`).
 
-    `transformer` is the high-noise expert and `transformer_2` the low-noise one (diffusers naming);
-    a Wan2.1-VACE folder has only `transformer`. `weights` reads dropped weights back; `residency`
-    decides where the weights live (`wanvace_core.runtime.compose` sets both up, in one place).
-
-    `loras` are the LoRA patches (`wanvace_core.lora.LoraPatch`) a sampling run applies to the experts, and only
-    for that run; `with_loras` makes a view that shares everything with its base, which keeps none.
+    `residency` decides where the weights live and `weights` reads dropped ones back (the plan sets up both,
+    in one place). `loras` are the LoRA patches (`runtime.lora.LoraPatch`) a sampling run applies to the
+    experts, and only for that run; `with_loras` makes a view that shares everything with its base, which
+    keeps none.
     """
 
-    source: Path
-    dtype: torch.dtype
-    device: torch.device
-    tokenizer: object
-    text_encoder: torch.nn.Module
-    vae: torch.nn.Module
-    transformer: torch.nn.Module | None
-    transformer_2: torch.nn.Module | None
-    scheduler_config: dict
-    boundary_ratio: float | None
-    weights: WeightSource
-    max_sequence_length: int = 512
     # Set when the experts run in parallel workers (`parallel.launcher.RemoteExperts`): `transformer` and
     # `transformer_2` are then meta-device stand-ins that only carry the config, and `sample` goes there.
     remote: object = None
@@ -57,6 +43,11 @@ class WanVACEModel:
     _helper: object = field(default=None, repr=False)
     _residency: Residency | None = field(default=None, repr=False)
     _close_residency: weakref.finalize | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_loaded(cls, loaded: LoadedPipeline) -> WanVACEModel:
+        """A model over `loaded`'s components (shared, not copied); no residency yet."""
+        return cls(**{item.name: getattr(loaded, item.name) for item in dataclasses.fields(LoadedPipeline)})
 
     def __post_init__(self) -> None:
         if self._base is None:

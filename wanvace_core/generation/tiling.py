@@ -16,8 +16,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from ..errors import WanVACEInputError
 from . import budget
-from .errors import WanVACEInputError
 
 logger = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import WanVACEError, WanVACEInputError
+from ..errors import WanVACEError, WanVACEInputError
+from ..validation import validate_finite, validate_integer
 from .model import WanVACEModel
-from .validation import validate_finite, validate_integer
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +101,14 @@ class CacheOptions:
     def limits_for(self, expert_attribute: str) -> ExpertCacheLimits:
         return self.high_noise if expert_attribute == "transformer" else self.low_noise
 
+    @classmethod
+    def from_plain(cls, fields: dict) -> CacheOptions:
+        """The inverse of `dataclasses.asdict` (how the options travel to parallel workers)."""
+        fields = dict(fields)
+        for name in ("high_noise", "low_noise"):
+            fields[name] = ExpertCacheLimits(**fields[name])
+        return cls(**fields)
+
 
 @dataclass(frozen=True)
 class ExpertRun:
@@ -142,6 +150,21 @@ class CacheReport:
 
     def text(self) -> str:
         return f"Cache-DiT {self.mode}: " + " | ".join(expert.text() for expert in self.experts)
+
+    @classmethod
+    def from_plain(cls, fields: dict) -> CacheReport:
+        """The inverse of `dataclasses.asdict` (how a report comes back from parallel workers)."""
+        experts = tuple(
+            ExpertCacheReport(
+                **{
+                    **expert,
+                    "cached_steps": tuple(expert["cached_steps"]),
+                    "cfg_cached_steps": tuple(expert["cfg_cached_steps"]),
+                }
+            )
+            for expert in fields["experts"]
+        )
+        return cls(mode=fields["mode"], experts=experts)
 
 
 _FUNCTOR_MARKS = ("_is_patched",)

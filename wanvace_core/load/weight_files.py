@@ -20,8 +20,9 @@ from pathlib import Path
 
 import torch
 
-from .errors import WanVACEModelFolderError
+from ..errors import WanVACEModelFolderError
 from .folder import read_safetensors_header
+from .pipeline_folder import SAFETENSORS_DTYPES, stream_into
 
 _REMEDY = "re-download or re-convert this file"
 _WINDOW_BYTES = 64 * 1024 * 1024
@@ -85,7 +86,6 @@ class WeightFile:
         `unit` = (stored bytes, target elements) of one quantisation block; windows hold whole blocks. A
         transform's fp32 output is a temporary the size of its window, so its windows are kept small.
         """
-        from .loading import stream_into
 
         unit_bytes, unit_elements = unit
         window = _WINDOW_BYTES if transform is None else _TRANSFORM_WINDOW_ELEMENTS * (unit_bytes or 1) // unit_elements
@@ -173,7 +173,6 @@ class PickleWeightFile(WeightFile):
 
 
 def _safetensors_file(path: Path) -> WeightFile:
-    from .loading import SAFETENSORS_DTYPES
 
     data_start, header = read_safetensors_header(path)
     with open(path, "rb") as handle:

@@ -1,12 +1,33 @@
-"""CFG parallel: each branch's prediction on its own half of the devices, combined on both halves."""
+"""How one step's prediction is made from an expert: both CFG passes here, or (CFG parallel) each branch on its
+own half of the worker devices, combined on both halves."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from ..conditioning import VACEConditioning
-from ..sampling import Guidance
+from .conditioning import VACEConditioning
+
+
+class Guidance:
+    """How one step's prediction is made from the expert: cond, then uncond when the scale is above 1.0.
+
+    `sample` asks this for every step; a CFG-parallel run replaces it (`ParallelGuidance`) with one that
+    computes each branch on its own devices. Both combine `uncond + scale * (cond - uncond)` in the same order.
+    """
+
+    def calls_per_step(self, scale: float) -> int:
+        """Expert calls this process makes per step (cache-dit's separate-CFG bookkeeping needs it)."""
+        return 2 if scale > 1.0 else 1
+
+    def predict(self, expert, scale: float, cond: VACEConditioning, common: dict) -> torch.Tensor:
+        with expert.cache_context("cond"):
+            noise_pred = expert(encoder_hidden_states=cond.prompt_embeds, **common)[0]
+        if scale > 1.0:
+            with expert.cache_context("uncond"):
+                noise_uncond = expert(encoder_hidden_states=cond.negative_prompt_embeds, **common)[0]
+                noise_pred = noise_uncond + scale * (noise_pred - noise_uncond)
+        return noise_pred
 
 
 class ParallelGuidance(Guidance):
@@ -33,7 +54,7 @@ class ParallelGuidance(Guidance):
                 mine = expert(encoder_hidden_states=cond.negative_prompt_embeds, **common)[0]
         if scale <= 1.0:
             return mine
-        # The pair group is gloo (CPU tensors) whatever the compute device: see parallel.rank.
+        # The pair group is gloo (CPU tensors) whatever the compute device: see wanvace_core.worker.
         local = mine.to("cpu")
         both = [torch.empty_like(local), torch.empty_like(local)]
         self.peers.allgather([both], [local]).wait()

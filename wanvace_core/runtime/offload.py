@@ -13,7 +13,7 @@ planned_bytes, close), so the model, the sampler and the ComfyUI glue never ask 
   forward runs them (`vace_blocks.k` interleaved before `blocks.vace_layers[k]`), and go back right
   after.
 
-The copying sits behind `Transfer` (`wanvace_core.transfer`): `SynchronousTransfer` copies on the
+The copying sits behind `Transfer` (`wanvace_core.runtime.transfer`): `SynchronousTransfer` copies on the
 calling thread (CPU, and the reference for tests); `RingTransfer` stages blocks through a bounded ring
 of pinned buffers and copies them on a side stream. Everything else (what is resident, when, in which
 order, what is freed) is ordinary Python, tested on the CPU.
@@ -23,13 +23,15 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from .errors import WanVACEError, WanVACEInputError
+from ..errors import WanVACEError, WanVACEInputError
+from ..load.loaded import WeightSource, block_lists_of, loaded_bytes, tensor_bytes, undeclared_block_lists
+from ..parallel.sharding import local_shard_bytes
 from .interleave import current_execution_order, execution_order
 from .transfer import CudaStreamOps, StreamOps, SynchronousTransfer, Transfer, Unit, ring_transfer
 
@@ -38,10 +40,6 @@ logger = logging.getLogger(__name__)
 OFFLOAD_MODES = ("none", "model", "layerwise")
 COMPONENTS = ("text_encoder", "transformer", "transformer_2", "vae")
 EXPERTS = ("transformer", "transformer_2")
-
-# Model facts: the block lists of each streamed model class. A model with a parameter-holding
-# ModuleList not named here is refused rather than left resident.
-BLOCK_LISTS: dict[str, tuple[str, ...]] = {"WanVACETransformer3DModel": ("vace_blocks", "blocks")}
 
 
 @dataclass(frozen=True)
@@ -61,26 +59,6 @@ class OffloadOptions:
             raise WanVACEInputError(f"max_pinned_mb={self.max_pinned_mb} must be 0 (automatic) or positive.")
 
 
-def block_lists_of(module: torch.nn.Module) -> tuple[str, ...]:
-    try:
-        return BLOCK_LISTS[type(module).__name__]
-    except KeyError as error:
-        raise WanVACEError(
-            f"Layerwise offload does not know the block lists of {type(module).__name__}; "
-            "declare them in wanvace_core.offload.BLOCK_LISTS."
-        ) from error
-
-
-def undeclared_block_lists(module: torch.nn.Module) -> list[str]:
-    """Parameter-holding ModuleLists of `module` that the declared block lists miss."""
-    declared = set(block_lists_of(module))
-    return [
-        name
-        for name, child in module.named_children()
-        if isinstance(child, torch.nn.ModuleList) and name not in declared and any(True for _ in child.parameters())
-    ]
-
-
 @dataclass(frozen=True)
 class OffloadEvent:
     """What an observer attached to `Offloader.observers` is told each time a unit moves."""
@@ -95,13 +73,6 @@ class DeviceMemoryBroker(Protocol):
 
     def reserve(self, incoming_bytes: int) -> None:
         """Makes room for `incoming_bytes` more weight bytes on the device (may unload other models)."""
-
-
-class WeightSource(Protocol):
-    """Where a component's weights are read back from after they were dropped (the model's files)."""
-
-    def refill(self, name: str, module: torch.nn.Module, device: torch.device) -> None:
-        """Fills the dropped (meta) parameters of component `name` onto `device`."""
 
 
 class Residency:
@@ -139,24 +110,6 @@ class Residency:
     def _reserve(self, incoming_bytes: int) -> None:
         if self.broker is not None and incoming_bytes > 0:
             self.broker.reserve(incoming_bytes)
-
-
-def _unique_tensors(modules: Iterable[torch.nn.Module], buffers: bool) -> list[torch.Tensor]:
-    unique: dict[int, torch.Tensor] = {}
-    for module in modules:
-        for tensor in [*module.parameters(), *(module.buffers() if buffers else ())]:
-            unique.setdefault(id(tensor), tensor)
-    return list(unique.values())
-
-
-def tensor_bytes(modules: Iterable[torch.nn.Module], buffers: bool = True) -> int:
-    """Bytes the (non-meta) parameters, and optionally buffers, of `modules` take, each tensor once."""
-    return sum(t.numel() * t.element_size() for t in _unique_tensors(modules, buffers) if not t.is_meta)
-
-
-def loaded_bytes(modules: Iterable[torch.nn.Module], buffers: bool = True) -> int:
-    """Bytes the tensors of `modules` take once loaded (dropped, meta parameters counted at full size)."""
-    return sum(t.numel() * t.element_size() for t in _unique_tensors(modules, buffers))
 
 
 def drop_weights(module: torch.nn.Module) -> None:
@@ -367,7 +320,7 @@ class Offloader(Residency):
                 if missing:
                     raise WanVACEError(
                         f"{type(module).__name__} has block list(s) {', '.join(missing)} that layerwise offload "
-                        "does not cover; declare them in wanvace_core.offload.BLOCK_LISTS."
+                        "does not cover; declare them in wanvace_core.load.loaded.BLOCK_LISTS."
                     )
                 self.streamers[name] = _BlockStreamer(self, name, module)
             skip = block_lists_of(module) if streamed else ()
@@ -496,3 +449,29 @@ def make_residency(
     return Offloader(
         {name: components.get(name) for name in COMPONENTS}, options, transfer, device=device, stream_ops=stream_ops
     )
+
+
+class ShardedResidency(Residency):
+    """FSDP2 places sharded experts itself (shards on the device, or in host memory with its CPU offload policy,
+    each block gathered for its forward): nothing to move, and nothing ComfyUI could ask a worker to drop."""
+
+    def __init__(self, experts: dict[str, torch.nn.Module]) -> None:
+        self.experts = experts
+
+    def activate(self, name: str) -> None:
+        pass
+
+    def settle(self) -> None:
+        pass
+
+    def release_all(self) -> int:
+        return 0
+
+    def device_bytes(self) -> int:
+        return sum(local_shard_bytes(expert) for expert in self.experts.values())
+
+    def planned_bytes(self, name: str | None = None) -> int:
+        return self.device_bytes()
+
+    def close(self) -> None:
+        pass

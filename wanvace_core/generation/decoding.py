@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .errors import WanVACEInputError
-from .model import WanVACEModel
+from ..errors import WanVACEInputError
+from ..runtime.model import WanVACEModel
 from .tiling import VAETiling, vae_tiling
 
 
@@ -33,7 +33,7 @@ def decode(
 ) -> torch.Tensor:
     """Raw VAE latents `[B, C, T, h, w]` -> frames `[B*T', H, W, 3]` in `[0, 1]` (fp32).
 
-    `tiling` splits the frames into tiles with diffusers' VAE tiling (`wanvace_core.tiling`); `free_bytes`
+    `tiling` splits the frames into tiles with diffusers' VAE tiling (`wanvace_core.generation.tiling`); `free_bytes`
     is the device memory free for the decode, which `tiling` "auto" weighs. None leaves the VAE as it is.
     """
     channels = model.vae.config.z_dim

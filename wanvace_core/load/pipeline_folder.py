@@ -28,11 +28,9 @@ import torch
 from accelerate import init_empty_weights
 from safetensors import safe_open
 
-from .errors import WanVACEModelFolderError
+from ..errors import WanVACEModelFolderError
 from .folder import ComponentFiles, inspect_pipeline_folder, read_safetensors_header
-from .model import WanVACEModel
-from .offload import OffloadOptions
-from .runtime import compose
+from .loaded import EXPERT_NAMES, LoadedPipeline
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +38,6 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _ALLOWED_LIBRARIES = {"diffusers", "transformers"}
 # Tensors that are cast or moved are read through mapped windows of the file of at most this many bytes.
 _WINDOW_BYTES = 64 * 1024 * 1024
-EXPERT_NAMES = ("transformer", "transformer_2")
 SAFETENSORS_DTYPES = {
     name: getattr(torch, attr)
     for name, attr in {
@@ -293,35 +290,26 @@ class FolderWeights:
         logger.info("Reloaded WanVACE weights of %s (%s) onto %s", self.layout.path, name, device)
 
 
-def load_pipeline(
-    path: str | Path,
-    dtype: str = "bf16",
-    device: str | torch.device = "cpu",
-    offload: OffloadOptions | None = None,
-    parallel=None,
-) -> WanVACEModel:
-    """Loads a WanVACE pipeline folder (Wan2.2 two-expert or Wan2.1 single transformer).
+def read_pipeline_folder(
+    path: str | Path, dtype: str = "bf16", device: str | torch.device = "cpu", experts_on_meta: bool = False
+) -> LoadedPipeline:
+    """Reads a WanVACE pipeline folder (Wan2.2 two-expert or Wan2.1 single transformer) onto `device`.
 
-    Without `offload` (or with mode `none`) the weights go straight to `device`; with an offload mode they
-    stay in host memory (memory-mapped where the dtype matches the files) and move to `device` on demand.
-    With `parallel` (`ParallelOptions`) the experts load in parallel workers, each rank its own part; this
-    process keeps the text encoder and VAE, the experts only as meta-device stand-ins carrying the config,
-    and `offload` applies to the text encoder and VAE here and to the experts in the workers.
+    With `experts_on_meta` the experts are only built on the meta device, carrying their config (parallel
+    workers load them from `worker_source`); the text encoder and VAE are read either way.
     """
     if dtype not in DTYPES:
         raise WanVACEModelFolderError(f"dtype={dtype!r} is not supported; choose one of {', '.join(DTYPES)}.")
     torch_dtype = DTYPES[dtype]
     device = torch.device(device)
-    offload = offload or OffloadOptions()
-    load_device = device if offload.mode == "none" else torch.device("cpu")
     layout = inspect_pipeline_folder(path)
     model_index = json.loads((layout.path / "model_index.json").read_text())
-    remote_names = EXPERT_NAMES if parallel is not None else ()
+    on_meta = EXPERT_NAMES if experts_on_meta else ()
     modules = {
         name: (
             meta_stand_in(build_on_meta(component_class(model_index, name), files.folder), torch_dtype)
-            if name in remote_names
-            else load_component(component_class(model_index, name), files, torch_dtype, load_device)
+            if name in on_meta
+            else load_component(component_class(model_index, name), files, torch_dtype, device)
         )
         for name, files in layout.components.items()
     }
@@ -330,7 +318,7 @@ def load_pipeline(
     scheduler_cls = component_class(model_index, "scheduler")
     scheduler_config = scheduler_cls.load_config(layout.path / "scheduler")
     logger.info("Loaded WanVACE pipeline %s (%s, %s)", layout.path, dtype, ", ".join(modules))
-    model = WanVACEModel(
+    return LoadedPipeline(
         source=layout.path,
         dtype=torch_dtype,
         device=device,
@@ -342,12 +330,16 @@ def load_pipeline(
         scheduler_config=dict(scheduler_config),
         boundary_ratio=layout.boundary_ratio,
         weights=FolderWeights(layout, torch_dtype),
+        worker_source={"kind": "folder", "path": str(layout.path)},
     )
-    if parallel is not None:
-        from .parallel.launcher import remote_experts
 
-        model.remote = remote_experts(model, parallel, offload, {"kind": "folder", "path": str(layout.path)})
-    compose(model, offload)
-    if model.remote is not None:
-        model.remote.start()
-    return model
+
+def read_experts(path: str | Path, dtype: torch.dtype, device: torch.device) -> dict[str, torch.nn.Module]:
+    """Just the experts of a pipeline folder, whole (a parallel worker that does not shard them)."""
+    layout = inspect_pipeline_folder(path)
+    model_index = json.loads((layout.path / "model_index.json").read_text())
+    return {
+        name: load_component(component_class(model_index, name), layout.components[name], dtype, device)
+        for name in EXPERT_NAMES
+        if name in layout.components
+    }

@@ -12,7 +12,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import WanVACEModelFolderError
+from ..errors import WanVACEModelFolderError
 
 PIPELINE_CLASS = "WanVACEPipeline"
 WEIGHT_COMPONENTS = ("text_encoder", "vae", "transformer", "transformer_2")

@@ -18,7 +18,7 @@ from typing import Protocol
 
 import torch
 
-from .errors import WanVACEError, WanVACEInputError
+from ..errors import WanVACEError, WanVACEInputError
 
 logger = logging.getLogger(__name__)
 

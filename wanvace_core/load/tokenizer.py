@@ -12,7 +12,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from .errors import WanVACEModelFolderError
+from ..errors import WanVACEModelFolderError
 
 
 def write_t5_tokenizer(folder: str | Path, model_bytes: bytes, source: str = "the sentencepiece model") -> Path:

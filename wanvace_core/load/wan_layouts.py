@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import WanVACEModelFolderError
+from ..errors import WanVACEModelFolderError
 from .weight_files import StoredTensor, WeightFile
 
 _PREFIXES = ("model.diffusion_model.", "diffusion_model.")

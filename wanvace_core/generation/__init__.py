@@ -1,0 +1,1 @@
+"""The generation steps: VACE conditioning, the dual-expert sampling loop, decoding."""

@@ -1,0 +1,1 @@
+"""Reading weights into modules: pipeline folders, single files, layouts, quantised weights, tokenizers."""

@@ -1,0 +1,1 @@
+"""How a loaded pipeline runs: the ordered runtime plan (`plan`) and what it applies."""

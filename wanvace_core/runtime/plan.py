@@ -1,0 +1,162 @@
+"""The one place a loaded pipeline's runtime is put together: the same function in ComfyUI's process and on
+every parallel worker rank (torchtitan's `parallelize`, for a WanVACE pipeline).
+
+Per expert, always in this order (`EXPERT_STEPS`):
+
+1. `interleaved_vace`: the forward that runs VACE block k right before main block `vace_layers[k]`
+   (`interleave.apply_interleaved_vace`). It replaces `forward`, so it comes first and everything below
+   sees the forward that really runs, and the block order the steps below follow is the interleaved one;
+2. `ulysses` (worker ranks with `ulysses_degree` > 1): the self-attention split over the Ulysses group;
+3. `fsdp` (worker ranks with `shard` != none): FSDP2 units over the meta-built expert, each rank's shards
+   then streamed from the files (`parallel.sharding`), and each block prefetching the next in the
+   interleaved order;
+4. `residency`: where the weights live (`offload.make_residency`: all on the device, one component at a
+   time, or block by block in the interleaved order; FSDP places sharded experts itself). Its hooks are
+   module hooks: they survive (1) and run before any hook added later.
+
+Then, in ComfyUI's process only, `workers`: with parallel options, the experts' workers are started here,
+and they run this same function on their side.
+
+Per sampling run, entered around `sample` in this order and left in reverse (`RUN_STEPS`), also on an
+error or a cancel: `settle` (weights back to their resting place if the run fails), `loras` (hooks added
+after the residency's, so a LoRA sees the weights the residency just bound), `cache` (cache-dit wraps the
+block lists the steps above prepared, for this run only).
+
+Changing the offload options re-plans (4) over the weights already loaded: nothing is read from the
+files again except weights an unload had dropped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from ..load.loaded import EXPERT_NAMES, LoadedPipeline
+from ..parallel.groups import ParallelGroups
+from ..parallel.launcher import remote_experts
+from ..parallel.options import ParallelOptions
+from ..parallel.sequence import apply_ulysses
+from ..parallel.sharding import ShardSources, prefetch_in_order, shard_and_fill
+from .interleave import apply_interleaved_vace, current_execution_order
+from .lora import applied_loras
+from .model import WanVACEModel
+from .offload import OffloadOptions, ShardedResidency, StreamOps, Transfer, make_residency
+
+EXPERT_STEPS = ("interleaved_vace", "ulysses", "fsdp", "residency")
+RUN_STEPS = ("settle", "loras", "cache")
+
+
+@dataclass(frozen=True)
+class RuntimePlan:
+    """How a loaded pipeline runs; validated once, by its parts. `parallel` None runs the experts here."""
+
+    offload: OffloadOptions = field(default_factory=OffloadOptions)
+    parallel: ParallelOptions | None = None
+
+    def load_device(self, device: torch.device | str) -> torch.device:
+        """Where the loaders read weights to: the device itself without offload, else host memory."""
+        return torch.device(device) if self.offload.mode == "none" else torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """What a worker rank adds to the plan: its process groups, and for `fsdp` the experts' weight sources."""
+
+    groups: ParallelGroups
+    shard_sources: dict[str, ShardSources] | None = None
+
+
+def build_model(
+    loaded: LoadedPipeline,
+    plan: RuntimePlan,
+    device: torch.device | str,
+    *,
+    rank: RankContext | None = None,
+    transfer: Transfer | None = None,
+    stream_ops: StreamOps | None = None,
+) -> WanVACEModel:
+    """The runnable model over `loaded` (components shared, not copied), with `plan` applied."""
+    model = WanVACEModel.from_loaded(loaded)
+    model.device = torch.device(device)
+    apply_plan(model, plan, rank=rank, transfer=transfer, stream_ops=stream_ops)
+    return model
+
+
+def apply_plan(
+    model: WanVACEModel,
+    plan: RuntimePlan,
+    *,
+    rank: RankContext | None = None,
+    transfer: Transfer | None = None,
+    stream_ops: StreamOps | None = None,
+) -> None:
+    """Applies `EXPERT_STEPS` to `model`'s experts, then (in ComfyUI's process) starts its workers."""
+    sharded = rank is not None and plan.parallel is not None and plan.parallel.shard != "none"
+    for name in EXPERT_NAMES:
+        expert = getattr(model, name)
+        if expert is None:
+            continue
+        apply_interleaved_vace(expert)
+        if rank is not None and rank.groups.ulysses_group is not None:
+            apply_ulysses(expert, rank.groups.ulysses_group)
+        if sharded:
+            cpu_offload = plan.offload.mode != "none"
+            shard_and_fill(expert, rank.shard_sources[name], rank.groups.shard_mesh, model.device, cpu_offload)
+            prefetch_in_order(expert, current_execution_order(expert))
+    _apply_residency(model, plan, rank, sharded, transfer, stream_ops)
+    if rank is None and plan.parallel is not None:
+        model.remote = remote_experts(model, plan.parallel, plan.offload)
+        model.remote.start()
+
+
+def attach_offload(
+    model: WanVACEModel,
+    options: OffloadOptions,
+    transfer: Transfer | None = None,
+    *,
+    stream_ops: StreamOps | None = None,
+) -> None:
+    """Re-attaches `model`'s weights under new offload options (step 4 only; the others stay as applied)."""
+    _apply_residency(model, RuntimePlan(offload=options), None, False, transfer, stream_ops)
+
+
+def _apply_residency(model, plan: RuntimePlan, rank, sharded: bool, transfer, stream_ops) -> None:
+    model.close_residency()  # the new residency must find the weights unhooked and off the ring
+    if rank is None:
+        components = model.components
+    else:  # a worker holds only the experts; its VAE is a meta stand-in for the config
+        components = {name: expert for name in EXPERT_NAMES if (expert := getattr(model, name)) is not None}
+    if sharded:
+        model.residency = ShardedResidency(components)
+    else:
+        model.residency = make_residency(
+            plan.offload, components, model.weights, model.device, transfer, stream_ops=stream_ops
+        )
+
+
+@contextlib.contextmanager
+def planned_run(model: WanVACEModel, cache=None) -> Iterator[None]:
+    """`RUN_STEPS` around one sampling run: entered in order, left in reverse, also on an error or a cancel.
+
+    `cache` is the run's `caching.CachedExperts` (or None).
+    """
+    with contextlib.ExitStack() as run:
+        run.enter_context(_settled_on_error(model))
+        if model.loras:
+            run.enter_context(applied_loras(model, model.loras))
+        if cache is not None:
+            run.enter_context(cache)
+        yield
+
+
+@contextlib.contextmanager
+def _settled_on_error(model: WanVACEModel) -> Iterator[None]:
+    """A run that raises (cancel, OOM) must not leave weights on the device until the next prompt."""
+    try:
+        yield
+    except BaseException:
+        model.residency.settle()
+        raise
