@@ -9,22 +9,26 @@ import comfy.model_management
 from comfy_api.latest import io
 
 from ..wanvace_core import (
+    DEFAULT_ATTENTION,
     DTYPES,
     WEIGHT_DTYPES,
     ExpertFiles,
     OffloadOptions,
+    RuntimePlan,
     WanVACEError,
     WanVACEModel,
-    attach_offload,
     inspect_expert_files,
     load_expert_files,
+    replan,
 )
 from ..wanvace_core.load.single_file import DEFAULT_BOUNDARY_RATIO, file_stamps, resident_bytes
 from ..wanvace_core.parallel import ParallelOptions
+from ..wanvace_core.runtime.loaders import refuse_fp8_matmul_without_fp8
 from ..wanvace_core.validation import nan_refusing_min
 from .held import forget_last, forget_on_unload, hold, reusable
 from .memory import cooperate, make_room_before_loading
 from .model_files import list_weight_files, resolve_listed_file
+from .runtime_inputs import attention_input, attention_refusal, fp8_matmul_input, fp8_matmul_refusal
 from .types import CATEGORY, WanVACEModelType, WanVACEOffloadType, WanVACEParallelType
 
 logger = logging.getLogger(__name__)
@@ -163,6 +167,8 @@ class WanVACEExpertsLoader(io.ComfyNode):
                     "devices or machines, each rank reading only its part (fp8/GGUF experts need weight_dtype bf16, "
                     "fp16 or fp32 when sharded). Unconnected = this process, one device.",
                 ),
+                attention_input(),
+                fp8_matmul_input(),
             ],
             outputs=[WanVACEModelType.Output(display_name="model", tooltip="The loaded WanVACE pipeline.")],
         )
@@ -176,10 +182,16 @@ class WanVACEExpertsLoader(io.ComfyNode):
         vae: str | None = None,
         high_noise_vace_module: str = NONE,
         low_noise_vace_module: str = NONE,
+        attention: str = DEFAULT_ATTENTION,
+        fp8_matmul: bool = False,
     ) -> bool | str:
         # The files are checked together (headers only): whether they fit is a property of the set. ComfyUI lists
         # a refusal under every argument here (and skips its own list check for them), so only the file inputs
         # are arguments, each message names the input and file first, and names are checked against the lists.
+        # attention is checked on this device: a kernel that cannot run here is refused at queue time.
+        refusal = attention_refusal(attention) or fp8_matmul_refusal(fp8_matmul)
+        if refusal is not None:
+            return refusal
         if None in (high_noise_model, low_noise_model, text_encoder, vae):
             return True
         try:
@@ -206,38 +218,64 @@ class WanVACEExpertsLoader(io.ComfyNode):
         low_noise_vace_module: str = NONE,
         offload: OffloadOptions | None = None,
         parallel: ParallelOptions | None = None,
+        attention: str = DEFAULT_ATTENTION,
+        fp8_matmul: bool = False,
     ) -> io.NodeOutput:
         device = comfy.model_management.get_torch_device()
         files = _expert_files(
             high_noise_model, low_noise_model, text_encoder, vae, high_noise_vace_module, low_noise_vace_module
         )
-        return io.NodeOutput(load_held_experts(files, dtype, weight_dtype, boundary_ratio, device, offload, parallel))
+        return io.NodeOutput(
+            load_held_experts(
+                files, dtype, weight_dtype, boundary_ratio, device, offload, parallel, attention, fp8_matmul
+            )
+        )
 
 
 def load_held_experts(
-    files: ExpertFiles, dtype, weight_dtype, boundary_ratio, device, offload, parallel=None
+    files: ExpertFiles,
+    dtype,
+    weight_dtype,
+    boundary_ratio,
+    device,
+    offload,
+    parallel=None,
+    attention: str = DEFAULT_ATTENTION,
+    fp8_matmul: bool = False,
 ) -> WanVACEModel:
-    """Loads the files, or re-attaches the pipeline already loaded from them when only the offload options changed.
+    """Loads the files, or re-attaches the pipeline already loaded from them when only the offload or attention
+    options changed.
 
-    With `parallel` the experts run in workers whose offload is fixed at load, so any change loads again.
+    With `parallel` the experts run in workers whose offload and attention are fixed at load, so any change loads
+    again.
     """
     options = offload or OffloadOptions()
+    if fp8_matmul:
+        refuse_fp8_matmul_without_fp8(files, weight_dtype)  # before a reused model is re-planned
     layouts = inspect_expert_files(files)
     key = ("experts", files, dtype, weight_dtype, float(boundary_ratio), str(device))
     if parallel is not None:
-        key += (options, parallel)
+        key += (options, parallel, attention, fp8_matmul)
     model = reusable(key, file_stamps(layouts))
     forget_last()  # other files or settings must not stay held beside this one
     if model is not None and parallel is not None:
         logger.info("WanVACE: reusing the experts loaded in the parallel workers")
     elif model is not None:
-        attach_offload(model, options)
-        logger.info("WanVACE: reusing the loaded experts with offload mode %r", options.mode)
+        replan(model, RuntimePlan(offload=options, attention=attention, fp8_matmul=fp8_matmul))
+        logger.info("WanVACE: reusing the loaded experts (offload %r, attention %r)", options.mode, attention)
     else:
         if options.mode == "none" and parallel is None:
             make_room_before_loading(device, resident_bytes(layouts, dtype, weight_dtype))
         model = load_expert_files(
-            files, dtype, weight_dtype, boundary_ratio, device, offload=options, parallel=parallel
+            files,
+            dtype,
+            weight_dtype,
+            boundary_ratio,
+            device,
+            offload=options,
+            parallel=parallel,
+            attention=attention,
+            fp8_matmul=fp8_matmul,
         )
     hold(key, model)
     cooperate(model, device).on_unload = forget_on_unload(model)

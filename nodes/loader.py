@@ -9,13 +9,15 @@ import comfy.model_management
 from comfy_api.latest import io
 
 from ..wanvace_core import (
+    DEFAULT_ATTENTION,
     DTYPES,
     OffloadOptions,
+    RuntimePlan,
     WanVACEError,
-    attach_offload,
     find_pipeline_folders,
     inspect_pipeline_folder,
     load_pipeline,
+    replan,
 )
 from ..wanvace_core.load.pipeline_folder import file_stamps
 from ..wanvace_core.load.single_file import (
@@ -31,6 +33,7 @@ from .experts_loader import load_held_experts
 from .held import forget_last, forget_on_unload, hold, reusable
 from .memory import cooperate, make_room_before_loading
 from .model_files import folder_roots, resolve_listed_folder
+from .runtime_inputs import attention_input, attention_refusal
 from .types import CATEGORY, WanVACEModelType, WanVACEOffloadType, WanVACEParallelType
 
 MODEL_FOLDER = "diffusers"
@@ -100,15 +103,22 @@ class WanVACEModelLoader(io.ComfyNode):
                     tooltip="From WanVACE Parallel Options: the experts load and run in worker processes across "
                     "devices or machines, each rank reading only its part. Unconnected = this process, one device.",
                 ),
+                attention_input(),
             ],
             outputs=[WanVACEModelType.Output(display_name="model", tooltip="The loaded WanVACE pipeline.")],
         )
 
     @classmethod
-    def validate_inputs(cls, model_name: str | None = None, allow_pth_weights: bool = False) -> bool | str:
+    def validate_inputs(
+        cls, model_name: str | None = None, allow_pth_weights: bool = False, attention: str = DEFAULT_ATTENTION
+    ) -> bool | str:
         # ComfyUI lists a refusal under every argument of validate_inputs and skips its own list check for them, so
         # model_name is checked against the listed folders here; the pickle opt-in is an argument because whether
         # a folder loads depends on it. dtype's combo stays out (ComfyUI checks it; execute refuses it otherwise).
+        # attention is checked on this device: a kernel that cannot run here is refused at queue time.
+        refusal = attention_refusal(attention)
+        if refusal is not None:
+            return refusal
         if model_name is None:
             return True
         try:
@@ -130,15 +140,18 @@ class WanVACEModelLoader(io.ComfyNode):
         allow_pth_weights: bool = False,
         offload: OffloadOptions | None = None,
         parallel: ParallelOptions | None = None,
+        attention: str = DEFAULT_ATTENTION,
     ) -> io.NodeOutput:
         device = comfy.model_management.get_torch_device()
         folder = resolve_model_folder(model_name)
         options = offload or OffloadOptions()
         if parallel is not None:
-            return io.NodeOutput(_load_parallel(folder, dtype, device, options, parallel, allow_pth_weights))
+            return io.NodeOutput(_load_parallel(folder, dtype, device, options, parallel, attention, allow_pth_weights))
         if is_original_folder(folder):
             files = original_folder_files(folder, allow_pth_weights)
-            return io.NodeOutput(load_held_experts(files, dtype, "auto", DEFAULT_BOUNDARY_RATIO, device, options))
+            return io.NodeOutput(
+                load_held_experts(files, dtype, "auto", DEFAULT_BOUNDARY_RATIO, device, options, attention=attention)
+            )
         if options.mode != "none" and device.type == "cpu":
             logger.warning(
                 "WanVACE offload mode %r on a CPU-only ComfyUI only adds copying; use mode 'none' there.", options.mode
@@ -147,30 +160,36 @@ class WanVACEModelLoader(io.ComfyNode):
         model = reusable(key, file_stamps(inspect_pipeline_folder(folder, check_weights=False)))
         forget_last()  # a pipeline of other files, or another dtype, must not stay held beside this one
         if model is not None:
-            # Only the offload options changed: re-attach to the weights in memory instead of re-reading them.
-            attach_offload(model, options)
-            logger.info("WanVACE: reusing the loaded %s with offload mode %r", folder, options.mode)
+            # Only the offload or attention options changed: re-attach to the weights in memory, not re-read them.
+            replan(model, RuntimePlan(offload=options, attention=attention))
+            logger.info("WanVACE: reusing the loaded %s (offload %r, attention %r)", folder, options.mode, attention)
         else:
             if options.mode == "none":
                 make_room_before_loading(device, _weight_file_bytes(folder))
-            model = load_pipeline(folder, dtype, device, offload=options)
+            model = load_pipeline(folder, dtype, device, offload=options, attention=attention)
         hold(key, model)
         cooperate(model, device).on_unload = forget_on_unload(model)
         return io.NodeOutput(model)
 
 
 def _load_parallel(
-    folder: Path, dtype: str, device, offload: OffloadOptions, parallel: ParallelOptions, allow_pth_weights: bool
+    folder: Path,
+    dtype: str,
+    device,
+    offload: OffloadOptions,
+    parallel: ParallelOptions,
+    attention: str,
+    allow_pth_weights: bool,
 ):
     """Experts in parallel workers, text encoder and VAE here; the workers live as long as the model."""
     if is_original_folder(folder):
         files = original_folder_files(folder, allow_pth_weights)
-        return load_held_experts(files, dtype, "auto", DEFAULT_BOUNDARY_RATIO, device, offload, parallel)
-    key = ("parallel", folder, dtype, str(device), offload, parallel)
+        return load_held_experts(files, dtype, "auto", DEFAULT_BOUNDARY_RATIO, device, offload, parallel, attention)
+    key = ("parallel", folder, dtype, str(device), offload, parallel, attention)
     model = reusable(key, file_stamps(inspect_pipeline_folder(folder, check_weights=False)))
     forget_last()  # the previous model's workers stop once nothing holds it
     if model is None:
-        model = load_pipeline(folder, dtype, device, offload=offload, parallel=parallel)
+        model = load_pipeline(folder, dtype, device, offload=offload, parallel=parallel, attention=attention)
     hold(key, model)
     cooperate(model, device).on_unload = forget_on_unload(model)
     return model

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import logging
+
 import comfy.model_management
 from comfy_api.latest import io
 
 from ..wanvace_core import SCHEDULERS, SamplerSettings, WanVACEInputError, sample, to_vae_space
-from ..wanvace_core.generation.budget import sampling_activation_bytes
+from ..wanvace_core.generation.budget import (
+    BATCHED_CFG_MODES,
+    batched_cfg_decision,
+    sampling_activation_bytes,
+)
 from ..wanvace_core.generation.sampling import validate_scheduler
 from ..wanvace_core.validation import nan_refusing_min
 from .memory import set_working_memory
@@ -14,6 +20,7 @@ from .preview import step_previewer
 from .types import CATEGORY, WanVACECacheType, WanVACEConditioningType, WanVACEModelType
 
 MODEL_DEFAULT = -1.0
+logger = logging.getLogger(__name__)
 
 
 class WanVACESampler(io.ComfyNode):
@@ -85,6 +92,16 @@ class WanVACESampler(io.ComfyNode):
                     optional=True,
                     tooltip="Cache-DiT step caching from WanVACE Cache Options; unconnected = no caching.",
                 ),
+                io.Combo.Input(
+                    "batched_cfg",
+                    options=list(BATCHED_CFG_MODES),
+                    default="off",
+                    optional=True,
+                    tooltip="Guided steps run the positive and negative pass as one call of batch 2: fewer, larger "
+                    "kernels (faster where the GPU is not yet saturated) for twice the activation memory; results "
+                    "differ from separate passes only by float rounding. auto: batch when ComfyUI reports the free "
+                    "memory for it (the log says which ran and why). off: separate passes, as before.",
+                ),
             ],
             outputs=[io.Latent.Output(display_name="latent", tooltip="The denoised video latent.")],
         )
@@ -92,8 +109,9 @@ class WanVACESampler(io.ComfyNode):
     @classmethod
     def validate_inputs(cls, scheduler: str | None = None) -> bool | str:
         # ComfyUI lists a refusal under every argument of validate_inputs and skips its own checks for them,
-        # so this takes only the combo that ComfyUI 0.3.75 does not check itself. The floats get ComfyUI's
-        # range check, which refuses NaN too (nan_refusing_min) and +-inf, under that input alone.
+        # so this takes only the combo that ComfyUI 0.3.75 does not check itself (batched_cfg stays out: 0.33
+        # checks it, and on 0.3.75 execute refuses it before sampling). The floats get ComfyUI's range check,
+        # which refuses NaN too (nan_refusing_min) and +-inf, under that input alone.
         try:
             if scheduler is not None:
                 validate_scheduler(scheduler)
@@ -114,6 +132,7 @@ class WanVACESampler(io.ComfyNode):
         shift: float,
         scheduler: str,
         cache=None,
+        batched_cfg: str = "off",
     ) -> io.NodeOutput:
         settings = SamplerSettings(
             seed=seed,
@@ -132,8 +151,12 @@ class WanVACESampler(io.ComfyNode):
 
         comfy.model_management.throw_exception_if_processing_interrupted()
         frames = conditioning.conditioning_latents.shape[2]
-        set_working_memory(model, sampling_activation_bytes(model, frames, conditioning.height, conditioning.width))
-        result = sample(model, conditioning, settings, callback=on_step, cache=cache)
+        activation = sampling_activation_bytes(model, frames, conditioning.height, conditioning.width)
+        free = comfy.model_management.get_free_memory(model.device)
+        batched, reason = batched_cfg_decision(model, batched_cfg, activation, free)
+        logger.info("WanVACE CFG: %s (%s)", "batched, one call of batch 2" if batched else "separate passes", reason)
+        set_working_memory(model, 2 * activation if batched else activation)
+        result = sample(model, conditioning, settings, callback=on_step, cache=cache, batched_cfg=batched)
         latent = {"samples": to_vae_space(model, result.latents).cpu()}
         if result.cache_report is None:
             return io.NodeOutput(latent)

@@ -225,6 +225,9 @@ class _NodeLayout:
         widgets = [name for name, spec, _optional in inputs if _is_widget(spec)]
         kept = [i for i, name in enumerate(widgets) if name not in optional or name in api_inputs]
         self.widget_inputs = widgets[: kept[-1] + 1] if kept else []
+        # Our nodes are the same in every ComfyUI version, so their trailing optional widgets, which the frontend
+        # adds when loading, are counted in the size (the file still leaves their values out).
+        self.sized_widgets = widgets if class_type.startswith("WanVACE") else self.widget_inputs
         self.upload = None
         for name in self.widget_inputs:
             opts = _input_options(self.specs[name])
@@ -268,8 +271,8 @@ class _NodeLayout:
         return dict(self._widget_values(inputs))
 
     def size(self, outputs: int) -> list[int]:
-        widget_rows = len(self.widget_inputs) - self.multiline + (1 if self.upload else 0)
-        widget_rows += sum(1 for n in self.widget_inputs if _has_seed_control(n, self.specs[n]))
+        widget_rows = len(self.sized_widgets) - self.multiline + (1 if self.upload else 0)
+        widget_rows += sum(1 for n in self.sized_widgets if _has_seed_control(n, self.specs[n]))
         height = NODE_PADDING + SLOT_HEIGHT * max(len(self.sockets), outputs)
         height += WIDGET_HEIGHT * widget_rows + MULTILINE_HEIGHT * self.multiline
         if self.upload:

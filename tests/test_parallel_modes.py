@@ -190,3 +190,24 @@ def test_single_files_shard_in_the_workers_bitwise(tmp_path, serving, comfy_comp
             assert torch.equal(sample(model, cond, SETTINGS).latents, expected)
         finally:
             model.remote.close()
+
+
+def test_attention_and_batched_cfg_reach_the_workers(tiny_folder, reference, serving):
+    """The workers run the chosen kernel and batch the CFG passes: bitwise the single process doing both (FSDP
+    reorders no reduction), which differs from the default kernel; cache-dit there saw one call per step."""
+    cond, _ = reference
+    workers = serving(2)
+    with threads_of_workers(2):
+        fresh = _rehomed(load_pipeline(tiny_folder, "fp32", attention="_native_math"))
+        expected = sample(fresh, cond, SETTINGS, cache=CACHE, batched_cfg=True)
+        native = sample(_rehomed(load_pipeline(tiny_folder, "fp32")), cond, SETTINGS, cache=CACHE, batched_cfg=True)
+    assert not torch.equal(expected.latents, native.latents)
+    with workers.stopped_on_failure():
+        model = load_pipeline(tiny_folder, "fp32", parallel=workers.options(shard="fsdp"), attention="_native_math")
+        try:
+            got = sample(model, cond, SETTINGS, cache=CACHE, batched_cfg=True)
+        finally:
+            model.remote.close()
+    assert torch.equal(got.latents, expected.latents)
+    assert got.cache_report == expected.cache_report
+    assert all(expert.cached_steps and expert.cfg_steps == 0 for expert in got.cache_report.experts), got.cache_report

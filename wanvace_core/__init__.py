@@ -22,15 +22,18 @@ from .generation.tiling import VAETiling
 from .load.folder import find_pipeline_folders, inspect_pipeline_folder
 from .load.pipeline_folder import DTYPES
 from .load.single_file import WEIGHT_DTYPES, ExpertFiles, inspect_expert_files
+from .runtime.attention import ATTENTION_BACKENDS, DEFAULT_ATTENTION, resolve_attention
 from .runtime.caching import CACHE_MODES, CacheOptions, CacheReport, ExpertCacheLimits, WanVACECacheError
 from .runtime.loaders import load_expert_files, load_pipeline
 from .runtime.lora import LoraPatch, check_lora
 from .runtime.model import WanVACEModel
 from .runtime.offload import OFFLOAD_MODES, DeviceMemoryBroker, OffloadOptions, Residency
-from .runtime.plan import RuntimePlan, attach_offload, build_model
+from .runtime.plan import RuntimePlan, attach_offload, build_model, replan
 
 __all__ = [
+    "ATTENTION_BACKENDS",
     "CACHE_MODES",
+    "DEFAULT_ATTENTION",
     "DTYPES",
     "OFFLOAD_MODES",
     "SCHEDULERS",
@@ -64,6 +67,8 @@ __all__ = [
     "load_expert_files",
     "load_pipeline",
     "prepare_conditioning",
+    "replan",
+    "resolve_attention",
     "sample",
     "to_vae_space",
     "validate_generation_size",

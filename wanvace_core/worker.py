@@ -32,7 +32,7 @@ from diffusers import AutoencoderKLWan
 
 from .errors import WanVACEError
 from .generation.conditioning import VACEConditioning
-from .generation.guidance import ParallelGuidance
+from .generation.guidance import BatchedGuidance, ParallelGuidance
 from .generation.sampling import SamplerSettings, sample
 from .load.loaded import LoadedPipeline
 from .load.pipeline_folder import read_experts
@@ -147,7 +147,7 @@ class Rank:
             )
             guidance = ParallelGuidance(branch, peers)
         groups = ParallelGroups.create(layout, self.device)
-        plan = RuntimePlan(offload=OffloadOptions(**request["offload"]), parallel=options)
+        plan = RuntimePlan(offload=OffloadOptions(**request["offload"]), parallel=options, **request["runtime"])
         experts, shard_sources = self._read_experts(request, plan)
         loaded = LoadedPipeline(
             source=Path(request["source"]["path"]),
@@ -215,7 +215,9 @@ class Rank:
                 raise Cancelled(f"cancelled after step {index + 1} of {total}")
 
         try:
-            result = sample(loaded.model, cond, settings, callback=callback, cache=cache, guidance=loaded.guidance)
+            # CFG parallel already gives each pass its own devices; batching applies where it does not.
+            guidance = loaded.guidance or (BatchedGuidance() if request["batched_cfg"] else None)
+            result = sample(loaded.model, cond, settings, callback=callback, cache=cache, guidance=guidance)
         finally:
             self.decided_steps = steps[0]  # rank 0 deletes the decisions once every rank has answered
         report = None if result.cache_report is None else messages.plain(result.cache_report)

@@ -74,7 +74,7 @@ def test_fp8_and_gguf_prompts_repeat_bitwise_and_reattach_on_offload_change(comf
     # The pack's own account: whether the loader re-read the files or re-attached to the experts it holds shows in
     # no measurement from outside (a re-read maps the same files again, possibly at the same addresses).
     new_log = comfy_server.log_text()[len(log_before) :]
-    assert "reusing the loaded experts with offload mode 'model'" in new_log
+    assert "reusing the loaded experts (offload 'model'" in new_log
     assert "Loaded WanVACE single files" not in new_log
 
     # The fp8 prompt once more, after the GGUF ones took the place of its outputs in ComfyUI's cache: its sampler

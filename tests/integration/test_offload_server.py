@@ -24,6 +24,9 @@ RELEASED = "WanVACE released"
 RELOADED = "Reloaded WanVACE weights"
 REUSED = "WanVACE: reusing the loaded"
 MODEL = f"{TINY_MODEL}-offload"
+# fp32 latents of the tiny model's shipped v2v prompt: SDPA's math kernel against its default one. Measured max abs
+# difference: 1.2e-5 (ComfyUI 0.33, torch 2.11) and 1.0e-5 (0.3.75, torch 2.8).
+MATH_KERNEL_TOLERANCE = 1e-4
 
 
 def _workflow(seed: int, prefix: str, offload: dict | None) -> dict:
@@ -144,3 +147,24 @@ def test_changing_only_the_offload_options_reattaches_to_the_loaded_weights(comf
         # memory of the same size either way): the pack's account is the evidence.
         log = comfy_server.log_text()[log_start:]
         assert REUSED in log and "Loaded WanVACE pipeline" not in log, log
+
+
+def test_changing_only_the_attention_reattaches_and_runs_that_kernel(comfy_server, model_folder):
+    def with_attention(workflow: dict, attention: str | None) -> dict:
+        loader = workflow[node_id_of(workflow, "WanVACEModelLoader")]["inputs"]
+        loader["dtype"] = "fp32"  # bf16 would round the kernels' differences up to the latents' last bits
+        if attention is not None:
+            loader["attention"] = attention
+        return workflow
+
+    plain = _latent(comfy_server, with_attention(_workflow(65, "attention/plain", None), None))
+    for attention, resolved in (("native", "native"), ("auto", "native"), ("_native_math", "_native_math")):
+        log_start = len(comfy_server.log_text())
+        latent = _latent(comfy_server, with_attention(_workflow(65, f"attention/{attention}", None), attention))
+        log = comfy_server.log_text()[log_start:]
+        assert REUSED in log and "Loaded WanVACE pipeline" not in log, log
+        assert f"WanVACE attention: {resolved} (chosen: {attention})" in log, log
+        if resolved == "native":
+            assert torch.equal(latent, plain)  # naming today's kernel is today's result
+        else:
+            assert (latent - plain).abs().max().item() <= MATH_KERNEL_TOLERANCE

@@ -441,3 +441,24 @@ def _worker_processes() -> set[int]:
         except OSError:
             continue
     return found
+
+
+@pytest.mark.parametrize(
+    ("class_type", "attention", "fragment"),
+    [
+        ("WanVACEModelLoader", "flash", "install `flash-attn>="),
+        ("WanVACEExpertsLoader", "sage", "install `sageattention>="),
+        ("WanVACEModelLoader", "_native_cudnn", "its kernel does not run on this device"),
+    ],
+)
+def test_an_unusable_attention_kernel_is_refused_at_queue_time(class_type, attention, fragment, comfy_server):
+    workflow = _t2v() if class_type == "WanVACEModelLoader" else _i2v_fp8()
+    workflow, node_id = _with(workflow, class_type, attention=attention)
+    code, body, _ = _post(comfy_server, workflow)
+    assert code == 400, body
+    # ComfyUI lists a refusal of validate_inputs under each of its inputs in the prompt; the attention entry is ours.
+    (error,) = [
+        error for error in body["node_errors"][node_id]["errors"] if error["extra_info"]["input_name"] == "attention"
+    ]
+    assert error["details"].startswith(f"attention - attention={attention!r} cannot run on cpu: "), error
+    assert fragment in error["details"], error

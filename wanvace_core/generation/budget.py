@@ -8,6 +8,8 @@ tokens x tokens matrix is counted.
 
 from __future__ import annotations
 
+from ..errors import WanVACEInputError
+from ..load.loaded import EXPERT_NAMES
 from ..runtime.model import WanVACEModel
 
 
@@ -26,6 +28,41 @@ def sampling_activation_bytes(model: WanVACEModel, latent_frames: int, height: i
     attention_phase = 8 * dim * itemsize + 3 * dim * 4
     ffn_phase = (7 * dim + 2 * config.ffn_dim) * itemsize
     return tokens * (max(attention_phase, ffn_phase) + 2 * config.attention_head_dim * 4)
+
+
+BATCHED_CFG_MODES = ("off", "auto", "on")
+
+
+def validate_batched_cfg(mode: str) -> None:
+    if mode not in BATCHED_CFG_MODES:
+        raise WanVACEInputError(f"batched_cfg={mode!r} is unknown; choose one of {', '.join(BATCHED_CFG_MODES)}.")
+
+
+def batched_cfg_decision(model: WanVACEModel, mode: str, activation_bytes: int, free_bytes: int) -> tuple[bool, str]:
+    """Whether to run both CFG passes as one batch-2 call, and why (for the log).
+
+    `auto` batches when the device's free memory (`free_bytes`, as the host application reports it), less the
+    larger expert unless its weights are already on the device, holds twice the activations of one call
+    (`activation_bytes`, from `sampling_activation_bytes`). Experts in parallel workers are not measured here:
+    `auto` keeps separate passes there.
+    """
+    validate_batched_cfg(mode)
+    if mode != "auto":
+        return mode == "on", f"batched_cfg={mode}"
+    if model.remote is not None:
+        return False, "batched_cfg=auto keeps separate passes with parallel workers (choose on to batch there)"
+    experts = [name for name in EXPERT_NAMES if getattr(model, name) is not None]
+    incoming = max(0, max(model.weight_bytes([name]) for name in experts) - model.device_bytes())
+    needed = 2 * activation_bytes + incoming
+    fits = free_bytes >= needed
+    return fits, (
+        f"batched_cfg=auto: {_gib(needed)} needed (twice the activations, plus {_gib(incoming)} of weights still to "
+        f"move to the device), {_gib(free_bytes)} free"
+    )
+
+
+def _gib(count: int) -> str:
+    return f"{count / 2**30:.2f} GiB"
 
 
 # --- The Wan VAE (AutoencoderKLWan) -------------------------------------------------------------------------

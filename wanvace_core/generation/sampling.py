@@ -23,7 +23,7 @@ from ..runtime.model import WanVACEModel
 from ..runtime.plan import planned_run
 from ..validation import validate_finite, validate_integer
 from .conditioning import VACEConditioning
-from .guidance import Guidance
+from .guidance import BatchedGuidance, Guidance
 
 logger = logging.getLogger(__name__)
 
@@ -201,10 +201,13 @@ def sample(
     callback: StepCallback | None = None,
     cache: CacheOptions | None = None,
     guidance: Guidance | None = None,
+    batched_cfg: bool = False,
 ) -> SampleResult:
     """Denoises `cond` with the dual-expert loop; `cache` turns on Cache-DiT for this run only.
 
-    A model whose experts run in parallel workers (`model.remote`) hands the whole run to them.
+    `batched_cfg` runs each guided step's two passes as one call of batch 2 (`BatchedGuidance`; a CFG-parallel
+    `guidance` splits them over devices instead). A model whose experts run in parallel workers (`model.remote`)
+    hands the whole run to them.
     """
     if model.remote is not None:
         if model.loras:
@@ -212,9 +215,11 @@ def sample(
                 "LoRAs are not supported yet with experts in parallel workers; disconnect the parallel input of the "
                 "loader, or the WanVACE LoRA Loader."
             )
-        latents, report = model.remote.sample(cond, settings, callback, cache, tokens=sequence_length(model, cond))
+        latents, report = model.remote.sample(
+            cond, settings, callback, cache, tokens=sequence_length(model, cond), batched_cfg=batched_cfg
+        )
         return SampleResult(latents=latents, cache_report=None if report is None else CacheReport.from_plain(report))
-    guidance = guidance or Guidance()
+    guidance = guidance or (BatchedGuidance() if batched_cfg else Guidance())
     _check_conditioning_matches(model, cond)
     scheduler, timesteps = scheduled_timesteps(model, settings)
     plan = _plan(model, settings)

@@ -292,11 +292,13 @@ class RemoteExperts:
         callback: Callable[[int, int, torch.Tensor], None] | None,
         cache,
         tokens: int,
+        batched_cfg: bool = False,
     ) -> tuple[torch.Tensor, dict | None]:
         """Runs `sample` in the workers: (latents, the cache report's fields or None).
 
         `cond`, `settings` and `cache` are the sampler's dataclasses (`cache` may be None); `tokens` is the run's
-        sequence length (checked against Ulysses).
+        sequence length (checked against Ulysses); `batched_cfg` batches the CFG passes where the workers do not split
+        them (cfg_parallel).
         """
         self.options.check_guidance(settings.cfg, settings.cfg_low_noise)
         self.options.check_tokens(tokens)
@@ -306,6 +308,7 @@ class RemoteExperts:
             "cond": messages.tensor_fields(cond),
             "settings": messages.plain(settings),
             "cache": None if cache is None else messages.plain(cache),
+            "batched_cfg": batched_cfg,
         }
         try:
             self.conn.send_bytes(messages.encode("sample", **fields))
@@ -346,9 +349,10 @@ def _close_quietly(conn: Connection | None, workers: LocalWorkers | None, launch
         workers.stop()
 
 
-def remote_experts(model, options: ParallelOptions, offload) -> RemoteExperts:
+def remote_experts(model, options: ParallelOptions, offload, runtime: dict) -> RemoteExperts:
     """The workers' side of `model` (its experts on meta here, `model.worker_source` saying where the workers read
-    them), checked against the model; not started yet. `offload` are the offload options the workers apply."""
+    them), checked against the model; not started yet. The workers apply `offload` (options) and `runtime` (the
+    runtime plan's other options, plain: attention, fp8_matmul) to their experts."""
     options.check_heads(model.reference_expert.config.num_attention_heads)
     options.check_devices(torch.cuda.device_count() if options.device_type == "cuda" else 0)
     request = {
@@ -356,6 +360,7 @@ def remote_experts(model, options: ParallelOptions, offload) -> RemoteExperts:
         "source": model.worker_source,
         "torch_dtype": str(model.dtype).removeprefix("torch."),
         "offload": messages.plain(offload),
+        "runtime": runtime,
         "vae_config": dict(model.vae.config),
         "scheduler_config": dict(model.scheduler_config),
         "boundary_ratio": model.boundary_ratio,

@@ -36,6 +36,8 @@ class WanVACEModel(LoadedPipeline):
     # Set when the experts run in parallel workers (`parallel.launcher.RemoteExperts`): `transformer` and
     # `transformer_2` are then meta-device stand-ins that only carry the config, and `sample` goes there.
     remote: object = None
+    # The `runtime.plan.RuntimePlan` last applied (None until the plan runs).
+    plan: object = None
     loras: tuple = ()
     _base: WanVACEModel | None = field(default=None, repr=False)
     _prompt_cache: OrderedDict = field(default_factory=OrderedDict, repr=False)

@@ -12,7 +12,11 @@ Per expert, always in this order (`EXPERT_STEPS`):
    interleaved order;
 4. `residency`: where the weights live (`offload.make_residency`: all on the device, one component at a
    time, or block by block in the interleaved order; FSDP places sharded experts itself). Its hooks are
-   module hooks: they survive (1) and run before any hook added later.
+   module hooks: they survive (1) and run before any hook added later;
+5. `fp8_matmul`: layers whose weights are kept in fp8 compute with `torch._scaled_mm` (`fp8_matmul.py`)
+   instead of dequantising; a forward of the layer, so the module hooks of (4) and LoRA run around it;
+6. `attention`: the attention kernel, through diffusers' dispatcher (`attention.py`); it is set on each
+   attention processor, so it runs inside the Ulysses wrapper (2) too.
 
 Then, in ComfyUI's process only, `workers`: with parallel options, the experts' workers are started here,
 and they run this same function on their side.
@@ -29,23 +33,30 @@ files again except weights an unload had dropped.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import WanVACEInputError
 from ..load.loaded import EXPERT_NAMES, LoadedPipeline
 from ..parallel.groups import ParallelGroups
 from ..parallel.launcher import remote_experts
 from ..parallel.options import ParallelOptions
 from ..parallel.sequence import apply_ulysses
 from ..parallel.sharding import ShardSources, prefetch_in_order, shard_and_fill
+from .attention import ATTENTION_BACKENDS, DEFAULT_ATTENTION, apply_attention, resolve_attention
+from .fp8_matmul import apply_fp8_matmul, check_fp8_matmul
 from .interleave import apply_interleaved_vace, current_execution_order
 from .lora import applied_loras
 from .model import WanVACEModel
 from .offload import OffloadOptions, ShardedResidency, StreamOps, Transfer, make_residency
 
-EXPERT_STEPS = ("interleaved_vace", "ulysses", "fsdp", "residency")
+logger = logging.getLogger(__name__)
+
+EXPERT_STEPS = ("interleaved_vace", "ulysses", "fsdp", "residency", "fp8_matmul", "attention")
 RUN_STEPS = ("settle", "loras", "cache")
 
 
@@ -55,6 +66,25 @@ class RuntimePlan:
 
     offload: OffloadOptions = field(default_factory=OffloadOptions)
     parallel: ParallelOptions | None = None
+    attention: str = DEFAULT_ATTENTION
+    fp8_matmul: bool = False
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_BACKENDS:
+            raise WanVACEInputError(
+                f"attention={self.attention!r} is unknown; choose one of {', '.join(ATTENTION_BACKENDS)}."
+            )
+
+    def check(self, device: torch.device | str) -> None:
+        """Refuses, before anything is read, a plan whose attention kernel cannot run where the experts will run:
+        `device`, or the parallel workers' devices where they are on this machine (torchrun's workers elsewhere
+        check it when they load)."""
+        if self.parallel is not None and self.parallel.launcher != "local":
+            return
+        where = device if self.parallel is None else self.parallel.devices[0]
+        resolve_attention(self.attention, where)
+        if self.fp8_matmul:
+            check_fp8_matmul(where)
 
     def load_device(self, device: torch.device | str) -> torch.device:
         """Where the loaders read weights to: the device itself without offload, else host memory."""
@@ -107,9 +137,25 @@ def apply_plan(
             shard_and_fill(expert, rank.shard_sources[name], rank.groups.shard_mesh, model.device, cpu_offload)
             prefetch_in_order(expert, current_execution_order(expert))
     _apply_residency(model, plan, rank, sharded, transfer, stream_ops)
+    if rank is not None or plan.parallel is None:  # else the experts here are stand-ins: the workers apply these
+        _apply_fp8_matmul(model, plan)
+        _apply_attention(model, plan)
+    model.plan = plan
     if rank is None and plan.parallel is not None:
-        model.remote = remote_experts(model, plan.parallel, plan.offload)
+        runtime = {"attention": plan.attention, "fp8_matmul": plan.fp8_matmul}
+        model.remote = remote_experts(model, plan.parallel, plan.offload, runtime)
         model.remote.start()
+
+
+def replan(
+    model: WanVACEModel, plan: RuntimePlan, transfer: Transfer | None = None, *, stream_ops: StreamOps | None = None
+) -> None:
+    """Puts a loaded model (experts in this process) under another plan's offload and attention (steps 4 and 5),
+    over the weights already in memory; the steps before stay as applied."""
+    _apply_residency(model, plan, None, False, transfer, stream_ops)
+    _apply_fp8_matmul(model, plan)
+    _apply_attention(model, plan)
+    model.plan = plan
 
 
 def attach_offload(
@@ -119,8 +165,29 @@ def attach_offload(
     *,
     stream_ops: StreamOps | None = None,
 ) -> None:
-    """Re-attaches `model`'s weights under new offload options (step 4 only; the others stay as applied)."""
-    _apply_residency(model, RuntimePlan(offload=options), None, False, transfer, stream_ops)
+    """`replan` with new offload options only."""
+    current = model.plan if model.plan is not None else RuntimePlan()
+    replan(model, dataclasses.replace(current, offload=options), transfer, stream_ops=stream_ops)
+
+
+def _apply_fp8_matmul(model: WanVACEModel, plan: RuntimePlan) -> None:
+    if plan.fp8_matmul:
+        check_fp8_matmul(model.device)
+    layers = sum(apply_fp8_matmul(expert, plan.fp8_matmul) for expert in model.experts)
+    if plan.fp8_matmul and layers == 0:
+        raise WanVACEInputError(
+            "fp8_matmul is on but no expert weight is kept in fp8; it needs fp8 expert files (e.g. "
+            "wan2.2_fun_vace_*_fp8_scaled.safetensors) loaded with weight_dtype auto. Turn fp8_matmul off."
+        )
+    if plan.fp8_matmul:
+        logger.info("WanVACE fp8 matmul: %d layers", layers)
+
+
+def _apply_attention(model: WanVACEModel, plan: RuntimePlan) -> None:
+    backend = resolve_attention(plan.attention, model.device)
+    for expert in model.experts:
+        apply_attention(expert, backend)
+    logger.info("WanVACE attention: %s (chosen: %s)", backend, plan.attention)
 
 
 def _apply_residency(model, plan: RuntimePlan, rank, sharded: bool, transfer, stream_ops) -> None:

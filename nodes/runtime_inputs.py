@@ -1,0 +1,55 @@
+"""Loader inputs that choose how the experts run (the runtime plan's options), shared by both loaders."""
+
+from __future__ import annotations
+
+import comfy.model_management
+from comfy_api.latest import io
+
+from ..wanvace_core import ATTENTION_BACKENDS, DEFAULT_ATTENTION, WanVACEInputError, resolve_attention
+from ..wanvace_core.runtime.fp8_matmul import check_fp8_matmul
+
+
+def attention_input() -> io.Combo.Input:
+    return io.Combo.Input(
+        "attention",
+        options=list(ATTENTION_BACKENDS),
+        default=DEFAULT_ATTENTION,
+        optional=True,
+        tooltip="The experts' attention kernel, through diffusers' attention dispatcher. native: PyTorch SDPA, "
+        "which picks its own kernel (today's default). auto: the fastest one installed that runs on this device "
+        "(sage, then _flash_3, flash, _native_cudnn, native). _native_*: one SDPA kernel forced. sage, flash, "
+        "_flash_3, xformers: need their package (sageattention>=2.1.1, flash-attn, flash-attn 3, xformers) in "
+        "ComfyUI's Python. Changing only this re-attaches to the weights already loaded.",
+    )
+
+
+def attention_refusal(attention: str) -> str | None:
+    """Why `attention` cannot run on ComfyUI's device (naming the package to install), or None."""
+    try:
+        resolve_attention(attention, comfy.model_management.get_torch_device())
+    except WanVACEInputError as error:
+        return str(error)
+    return None
+
+
+def fp8_matmul_input() -> io.Boolean.Input:
+    return io.Boolean.Input(
+        "fp8_matmul",
+        default=False,
+        optional=True,
+        tooltip="fp8 experts (fp8_scaled files, weight_dtype auto): multiply in fp8 with the file's weight scales "
+        "(torch._scaled_mm) instead of dequantising every weight each step. Needs a GPU with fp8 (RTX 40xx, L40, "
+        "H100 and later); refused elsewhere. Slightly less exact than off (the activations are rounded to fp8 too). "
+        "LoRAs still apply. Changing only this re-attaches to the weights already loaded.",
+    )
+
+
+def fp8_matmul_refusal(fp8_matmul: bool) -> str | None:
+    """Why fp8 matmul cannot run on ComfyUI's device, or None."""
+    if not fp8_matmul:
+        return None
+    try:
+        check_fp8_matmul(comfy.model_management.get_torch_device())
+    except WanVACEInputError as error:
+        return str(error)
+    return None

@@ -1,0 +1,182 @@
+"""fp8 matmul on fp8-kept expert weights: `torch._scaled_mm` runs on every fp8 layer (counted), its numerics stay
+within a stated distance of dequantising the weights, LoRA and offload compose with it, off is today's forward
+bitwise, and it is refused where it cannot run or has no fp8 weights to use.
+
+PyTorch's CPU kernel for `_scaled_mm` runs here (torch 2.8 and 2.11), so these are the numerics a GPU computes up
+to its own accumulation order.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.lora_files import lora_content, write_lora
+from wanvace_core import (
+    ExpertFiles,
+    LoraPatch,
+    OffloadOptions,
+    SamplerSettings,
+    VACEInputs,
+    WanVACEInputError,
+    attach_offload,
+    load_expert_files,
+    prepare_conditioning,
+    sample,
+)
+from wanvace_core.runtime import fp8_matmul as fp8_module
+from wanvace_core.runtime.fp8_matmul import apply_fp8_matmul, fp8_linears
+from wanvace_core.runtime.transfer import SynchronousTransfer
+
+pytestmark = pytest.mark.slow
+
+INPUTS = VACEInputs(positive="a cat walks on the grass", negative="blurry", width=64, height=64, length=5)
+SETTINGS = SamplerSettings(seed=7, steps=3, cfg=3.0, cfg_low_noise=3.0)
+# bf16 compute on the COMFY_SHAPED tiny experts, against dequantising the same fp8 weights. Measured (torch 2.11 and
+# 2.8): the expert output's relative RMS difference 0.034 (the activations rounded to e4m3's 3 mantissa bits); the
+# sampled latents' max abs difference 0.14 to 0.15 of latents up to 3.7 to 4.5, relative RMS 0.033 (0.039 with a
+# LoRA, whose own effect is 0.33).
+FORWARD_RELATIVE_RMS = 0.06
+LATENT_TOLERANCE = 0.3
+LATENT_RELATIVE_RMS = 0.08
+
+
+def _files(written, fmt: str) -> ExpertFiles:
+    return ExpertFiles(
+        high_noise_model=written[fmt]["high"],
+        low_noise_model=written[fmt]["low"],
+        text_encoder=written["umt5_fp16"],
+        vae=written["vae"],
+    )
+
+
+@pytest.fixture(scope="module")
+def fp8_files(comfy_model_files):
+    return _files(comfy_model_files.written, "fp8_scaled")
+
+
+@pytest.fixture(scope="module")
+def model(fp8_files):
+    return load_expert_files(fp8_files, "bf16", "auto")
+
+
+@pytest.fixture(scope="module")
+def cond(model):
+    return prepare_conditioning(model, INPUTS)
+
+
+def _expert_inputs(model, cond) -> dict:
+    generator = torch.Generator().manual_seed(3)
+    latents = torch.randn(1, 16, 2, 8, 8, generator=generator)
+    return {
+        "hidden_states": latents.to(model.transformer_dtype),
+        "timestep": torch.tensor([700]),
+        "encoder_hidden_states": cond.prompt_embeds,
+        "control_hidden_states": torch.randn(1, 96, 2, 8, 8, generator=generator).to(model.transformer_dtype),
+        "control_hidden_states_scale": torch.ones(len(model.vace_layers)),
+        "return_dict": False,
+    }
+
+
+@torch.no_grad()
+def _forward(model, cond, fp8: bool) -> tuple[torch.Tensor, list[int], int]:
+    """The high-noise expert's output, the fp8 layers (ids) that ran, and how many `_scaled_mm` calls were made."""
+    expert = model.transformer
+    apply_fp8_matmul(expert, fp8)
+    calls: list[int] = []
+    handles = [
+        layer.register_forward_hook(lambda module, _a, _o: calls.append(id(module))) for layer in fp8_linears(expert)
+    ]
+    scaled_mm = torch._scaled_mm
+    counted = []
+
+    def counting(*args, **kwargs):
+        counted.append(1)
+        return scaled_mm(*args, **kwargs)
+
+    torch._scaled_mm = counting
+    try:
+        out = expert(**_expert_inputs(model, cond))[0]
+    finally:
+        torch._scaled_mm = scaled_mm
+        for handle in handles:
+            handle.remove()
+        apply_fp8_matmul(expert, False)
+    return out, calls, len(counted)
+
+
+def _relative_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def test_every_fp8_layer_runs_scaled_mm_within_a_stated_distance_of_dequantising(model, cond):
+    dequantized, _, no_calls = _forward(model, cond, fp8=False)
+    fp8, ran, calls = _forward(model, cond, fp8=True)
+    layers = fp8_linears(model.transformer)
+    assert no_calls == 0 and layers
+    assert sorted(ran) == sorted(id(layer) for layer in layers)  # each fp8 layer ran once...
+    assert calls == len(layers)  # ...each through _scaled_mm
+    distance = _relative_rms(fp8, dequantized)
+    assert 0 < distance <= FORWARD_RELATIVE_RMS, distance
+
+
+def test_off_is_the_dequantising_forward_bitwise_after_on(model, cond):
+    before, _, _ = _forward(model, cond, fp8=False)
+    _forward(model, cond, fp8=True)
+    after, _, _ = _forward(model, cond, fp8=False)
+    assert torch.equal(after, before)
+
+
+def test_loading_with_fp8_matmul_samples_close_to_dequantising(fp8_files, model, cond):
+    fast = load_expert_files(fp8_files, "bf16", "auto", fp8_matmul=True)
+    assert all(layer.forward.__func__ is fp8_module._scaled_mm_forward for layer in fp8_linears(fast.transformer_2))
+    reference = sample(model, cond, SETTINGS).latents
+    latents = sample(fast, cond, SETTINGS).latents
+    assert (latents - reference).abs().max().item() <= LATENT_TOLERANCE
+
+
+def test_a_lora_applies_on_top_of_fp8_matmul(model, cond, tmp_path):
+    path = write_lora(tmp_path / "lora.safetensors", lora_content(model, rank=4, seed=2), "peft")
+    patched = model.with_loras(LoraPatch(path, strength_high_noise=1.0, strength_low_noise=1.0))
+    with torch.no_grad():
+        for expert in model.experts:
+            apply_fp8_matmul(expert, True)
+        try:
+            plain = sample(model, cond, SETTINGS).latents
+            fast = sample(patched, cond, SETTINGS).latents
+        finally:
+            for expert in model.experts:
+                apply_fp8_matmul(expert, False)
+        dequantized = sample(patched, cond, SETTINGS).latents
+    # The LoRA moves the result far more than fp8 matmul does, and fp8 matmul keeps the LoRA'd result as close to
+    # dequantising as it keeps the plain one.
+    without_lora = sample(model, cond, SETTINGS).latents
+    assert _relative_rms(dequantized, without_lora) > 3 * LATENT_RELATIVE_RMS
+    assert _relative_rms(fast, dequantized) <= LATENT_RELATIVE_RMS
+    assert _relative_rms(fast, plain) > 3 * LATENT_RELATIVE_RMS
+
+
+def test_fp8_matmul_under_layerwise_offload_is_bitwise_on_the_device(fp8_files, cond):
+    on_device = load_expert_files(fp8_files, "bf16", "auto", fp8_matmul=True)
+    reference = sample(on_device, cond, SETTINGS).latents
+    attach_offload(on_device, OffloadOptions(mode="layerwise", prefetch_blocks=1), SynchronousTransfer())
+    assert all(layer.forward.__func__ is fp8_module._scaled_mm_forward for layer in fp8_linears(on_device.transformer))
+    assert torch.equal(sample(on_device, cond, SETTINGS).latents, reference)
+
+
+def test_refused_without_fp8_weights_or_with_weights_dequantised(comfy_model_files, fp8_files):
+    bf16 = _files(comfy_model_files.written, "bf16")
+    with pytest.raises(WanVACEInputError, match=r"fp8_matmul is on but high_noise_model=.* holds no fp8"):
+        load_expert_files(bf16, "bf16", "auto", fp8_matmul=True)
+    with pytest.raises(WanVACEInputError, match=r"fp8_matmul is on but weight_dtype='bf16' dequantises"):
+        load_expert_files(fp8_files, "bf16", "bf16", fp8_matmul=True)
+
+
+def test_refused_where_the_kernel_does_not_run(fp8_files, monkeypatch):
+    monkeypatch.setattr(fp8_module, "fp8_matmul_failure", lambda device: "RuntimeError: no fp8 kernel")
+    with pytest.raises(WanVACEInputError, match=r"fp8 matmul does not run on cpu \(RuntimeError: no fp8 kernel\); "):
+        load_expert_files(fp8_files, "bf16", "auto", fp8_matmul=True)
+
+
+def test_the_probe_passes_on_this_cpu():
+    assert fp8_module.fp8_matmul_failure("cpu") is None
