@@ -833,3 +833,22 @@ def non_wan_file(path: str | Path, seed: int = 0) -> Path:
         )
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
     return path
+
+
+def expert_files(written, fmt: str, text: str = "umt5_fp16"):
+    """The `ExpertFiles` of format `fmt` in what `write_comfy_models` wrote, with text encoder `text`."""
+    from wanvace_core import ExpertFiles
+
+    experts = written[fmt]
+    if fmt == "split":
+        return ExpertFiles(
+            high_noise_model=experts["high"]["base"],
+            high_noise_vace_module=experts["high"]["vace"],
+            low_noise_model=experts["low"]["base"],
+            low_noise_vace_module=experts["low"]["vace"],
+            text_encoder=written[text],
+            vae=written["vae"],
+        )
+    return ExpertFiles(
+        high_noise_model=experts["high"], low_noise_model=experts["low"], text_encoder=written[text], vae=written["vae"]
+    )

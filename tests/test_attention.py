@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from diffusers.models.attention_dispatch import _AttentionBackendRegistry, dispatch_attention_fn
 
-from tests.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH, build_task
+from tests.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH, build_task, expert_inputs
 from wanvace_core import (
     CacheOptions,
     ExpertCacheLimits,
@@ -63,25 +63,11 @@ def counted_attention():
         registry.update(originals)
 
 
-def _expert_inputs(expert) -> dict:
-    generator = torch.Generator().manual_seed(11)
-    config = expert.config
-    frames, height, width = 3, 6, 8
-    return {
-        "hidden_states": torch.randn(1, config.in_channels, frames, height, width, generator=generator),
-        "timestep": torch.tensor([700]),
-        "encoder_hidden_states": torch.randn(1, 512, config.text_dim, generator=generator),
-        "control_hidden_states": torch.randn(1, config.vace_in_channels, frames, height, width, generator=generator),
-        "control_hidden_states_scale": torch.tensor([1.0, 0.7]),
-        "return_dict": False,
-    }
-
-
 @torch.no_grad()
 def _forward(model) -> tuple[torch.Tensor, Counter]:
     expert = model.transformer
     with counted_attention() as counts:
-        out = expert(**_expert_inputs(expert))[0]
+        out = expert(**expert_inputs(expert, width=8))[0]
     return out, counts
 
 

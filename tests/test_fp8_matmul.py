@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from tests.lora_files import lora_content, write_lora
+from tests.single_files import expert_files
 from wanvace_core import (
-    ExpertFiles,
     LoraPatch,
     OffloadOptions,
     SamplerSettings,
@@ -41,18 +41,9 @@ LATENT_TOLERANCE = 0.3
 LATENT_RELATIVE_RMS = 0.08
 
 
-def _files(written, fmt: str) -> ExpertFiles:
-    return ExpertFiles(
-        high_noise_model=written[fmt]["high"],
-        low_noise_model=written[fmt]["low"],
-        text_encoder=written["umt5_fp16"],
-        vae=written["vae"],
-    )
-
-
 @pytest.fixture(scope="module")
 def fp8_files(comfy_model_files):
-    return _files(comfy_model_files.written, "fp8_scaled")
+    return expert_files(comfy_model_files.written, "fp8_scaled")
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +156,7 @@ def test_fp8_matmul_under_layerwise_offload_is_bitwise_on_the_device(fp8_files, 
 
 
 def test_refused_without_fp8_weights_or_with_weights_dequantised(comfy_model_files, fp8_files):
-    bf16 = _files(comfy_model_files.written, "bf16")
+    bf16 = expert_files(comfy_model_files.written, "bf16")
     with pytest.raises(WanVACEInputError, match=r"fp8_matmul is on but high_noise_model=.* holds no fp8"):
         load_expert_files(bf16, "bf16", "auto", fp8_matmul=True)
     with pytest.raises(WanVACEInputError, match=r"fp8_matmul is on but weight_dtype='bf16' dequantises"):

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed import run_ranks
-from tests.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH, build_task
+from tests.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH, build_task, expert_inputs
 from wanvace_core import (
     CacheOptions,
     ExpertCacheLimits,
@@ -54,20 +54,6 @@ def three_head_folder(tmp_path_factory):
     )
 
 
-def _expert_inputs(expert, frames: int = 3, height: int = 6, width: int = 8) -> dict:
-    """Random inputs for one expert call on a `frames x height x width` latent video (the same on every rank)."""
-    generator = torch.Generator().manual_seed(11)
-    config = expert.config
-    return {
-        "hidden_states": torch.randn(1, config.in_channels, frames, height, width, generator=generator),
-        "timestep": torch.tensor([700]),
-        "encoder_hidden_states": torch.randn(1, 512, config.text_dim, generator=generator),
-        "control_hidden_states": torch.randn(1, config.vace_in_channels, frames, height, width, generator=generator),
-        "control_hidden_states_scale": torch.tensor([1.0, 0.7]),
-        "return_dict": False,
-    }
-
-
 @torch.no_grad()
 def _forward(expert, forward: str, inputs: dict) -> torch.Tensor:
     """One call through the module (so every hook runs) with the interleaved or diffusers' stock forward."""
@@ -87,7 +73,7 @@ def _forward_rank(rank: int, world: int, folder: str) -> dict:
     model = load_pipeline(folder, "fp32")
     expert = model.transformer
     assert uses_interleaved_vace(expert)
-    inputs = _expert_inputs(expert)
+    inputs = expert_inputs(expert)
     processors = [block.attn1.processor for block in [*expert.blocks, *expert.vace_blocks]]
     hooks_before = _hook_counts(expert)
     reference = {forward: _forward(expert, forward, inputs) for forward in ("interleaved", "stock")}
@@ -128,11 +114,11 @@ def _refusal_rank(rank: int, world: int, folder: str, three_head_folder: str) ->
     outcome = {"tokens": "not refused", "heads": "not refused"}
     # 3 x 3 x 3 = 27 tokens: odd, so two ranks cannot share them evenly.
     try:
-        _forward(expert, "interleaved", _expert_inputs(expert, frames=3, height=6, width=6))
+        _forward(expert, "interleaved", expert_inputs(expert, frames=3, height=6, width=6))
     except WanVACEInputError as error:
         outcome["tokens"] = str(error)
     # The refusal came before any collective: the ranks are still in step and compute correctly.
-    inputs = _expert_inputs(expert)
+    inputs = expert_inputs(expert)
     parallel = _forward(expert, "interleaved", inputs)
     remove_ulysses(expert)
     outcome["after_refusal"] = (parallel - _forward(expert, "interleaved", inputs)).abs().max().item()

@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from tests.original_release import wan_t5_state_dict, write_original_release
 from tests.single_files import (
     PREFIX,
+    expert_files,
     fp8_tolerance,
     non_wan_file,
     truncate_copy,
@@ -117,22 +118,6 @@ def _write_set(root, components, dtype: torch.dtype, prefix: str = "") -> Expert
     )
 
 
-def _files(written, fmt: str, text: str = "umt5_fp16") -> ExpertFiles:
-    experts = written[fmt]
-    if fmt == "split":
-        return ExpertFiles(
-            high_noise_model=experts["high"]["base"],
-            high_noise_vace_module=experts["high"]["vace"],
-            low_noise_model=experts["low"]["base"],
-            low_noise_vace_module=experts["low"]["vace"],
-            text_encoder=written[text],
-            vae=written["vae"],
-        )
-    return ExpertFiles(
-        high_noise_model=experts["high"], low_noise_model=experts["low"], text_encoder=written[text], vae=written["vae"]
-    )
-
-
 def _assert_same_weights(a, b) -> None:
     for name, module in a.components.items():
         ours, theirs = module.state_dict(), b.components[name].state_dict()
@@ -223,7 +208,7 @@ def test_inferred_config_is_the_model_config(tmp_path, components):
 def test_real_file_names_load(models_dir):
     """The Comfy-Org bf16 experts with the fp16 umt5 file: the layout users download."""
     _root, written = models_dir
-    model = load_expert_files(_files(written, "bf16"), "bf16")
+    model = load_expert_files(expert_files(written, "bf16"), "bf16")
     assert model.transformer_2 is not None and model.tokenizer("a cat")["input_ids"][-1] == 1
 
 
@@ -234,7 +219,7 @@ def test_real_file_names_load(models_dir):
 @pytest.mark.parametrize("fmt", ["fp8_scaled", "fp8mixed"])
 def test_fp8_weights_stay_fp8_and_match_dequantising_at_load(models_dir, reference, fmt):
     _root, written = models_dir
-    files = _files(written, fmt)
+    files = expert_files(written, fmt)
     kept = load_expert_files(files, "fp32", "auto")
     dequantized = load_expert_files(files, "fp32", "fp32")
     ref_model, ref_latents = reference("fp32")
@@ -258,7 +243,7 @@ def test_bf16_weights_dequantised_at_load_equal_the_per_forward_dequantisation(m
     """At load, fp8 is cast into place and scaled in place, GGUF dequantised in small windows; per forward,
     `WeightFormat.dequantize` then a cast. Both must give the same bf16 weights, bit for bit."""
     _root, written = models_dir
-    files = _files(written, fmt)
+    files = expert_files(written, fmt)
     kept = load_expert_files(files, "bf16", "auto")
     dequantized = dict(load_expert_files(files, "bf16", "bf16").transformer.named_modules())
     layers = [
@@ -288,8 +273,8 @@ def test_fp8_weights_take_about_half_of_bf16(models_dir):
     """At A14B size the Linear weights are > 99% of an expert's bytes; in the tiny model the fp32/bf16 norms,
     modulation and biases weigh more, so the whole-block ratio is printed and the Linear ratio asserted."""
     _root, written = models_dir
-    bf16 = load_expert_files(_files(written, "bf16"), "bf16")
-    fp8 = load_expert_files(_files(written, "fp8_scaled"), "bf16", "auto")
+    bf16 = load_expert_files(expert_files(written, "bf16"), "bf16")
+    fp8 = load_expert_files(expert_files(written, "fp8_scaled"), "bf16", "auto")
     ratio = _linear_weight_bytes(fp8) / (2 * _linear_weight_count(fp8))
     blocks = _block_weight_bytes(fp8, "transformer") / _block_weight_bytes(bf16, "transformer")
     print(f"fp8 kept / bf16: Linear weight bytes {ratio:.3f}, whole blocks {blocks:.3f}")
@@ -300,7 +285,7 @@ def test_fp8_weights_take_about_half_of_bf16(models_dir):
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q6_K"])
 def test_gguf_experts(models_dir, reference, qtype):
     _root, written = models_dir
-    files = _files(written, qtype)
+    files = expert_files(written, qtype)
     kept = load_expert_files(files, "fp32", "auto")
     dequantized = load_expert_files(files, "fp32", "fp32")
     ref_model, ref_latents = reference("fp32")
@@ -325,7 +310,7 @@ def test_gguf_experts(models_dir, reference, qtype):
 
 def test_kept_fp8_composes_with_every_offload_mode_and_unload(models_dir):
     _root, written = models_dir
-    files = _files(written, "fp8_scaled")
+    files = expert_files(written, "fp8_scaled")
     base = load_expert_files(files, "fp32", "auto")
     expected = run(base)
     for mode in ("model", "layerwise"):
@@ -363,7 +348,7 @@ def test_kept_weights_stream_through_the_cuda_ring_as_stored_bytes(models_dir, f
     from wanvace_core.runtime.transfer import RingTransfer
 
     _root, written = models_dir
-    files = _files(written, fmt)
+    files = expert_files(written, fmt)
     expected = run(load_expert_files(files, "fp32", "auto"))
     model = load_expert_files(files, "fp32", "auto", offload=OffloadOptions(mode="layerwise"))
     ops = SimulatedStreamOps()
@@ -385,7 +370,7 @@ def test_kept_weights_stream_through_the_cuda_ring_as_stored_bytes(models_dir, f
 
 def test_tokenizer_comes_from_the_spiece_model_tensor(models_dir, reference):
     _root, written = models_dir
-    model = load_expert_files(_files(written, "bf16"), "bf16")
+    model = load_expert_files(expert_files(written, "bf16"), "bf16")
     ref_model, _ = reference("fp32")
     for text in ("a cat walks on the grass", "  Neon signs,   at night!  ", "unknown wörds ünïcode"):
         assert model.tokenizer(text)["input_ids"] == ref_model.tokenizer(text)["input_ids"], text
@@ -446,7 +431,7 @@ def _with(files: ExpertFiles, **changes) -> ExpertFiles:
 @pytest.fixture(scope="module")
 def good_files(models_dir):
     _root, written = models_dir
-    return _files(written, "bf16")
+    return expert_files(written, "bf16")
 
 
 def test_truncated_expert_is_refused(tmp_path, good_files):

@@ -105,3 +105,17 @@ def build_task(name: str) -> TaskCase:
             theirs={"video": _float_frames(video), "mask": _mask_frames(mask)},
         )
     raise KeyError(name)
+
+
+def expert_inputs(expert, frames: int = 3, height: int = 6, width: int = 8) -> dict:
+    """Random inputs for one expert call on a `frames x height x width` latent video (the same on every rank)."""
+    generator = torch.Generator().manual_seed(11)
+    config = expert.config
+    return {
+        "hidden_states": torch.randn(1, config.in_channels, frames, height, width, generator=generator),
+        "timestep": torch.tensor([700]),
+        "encoder_hidden_states": torch.randn(1, 512, config.text_dim, generator=generator),
+        "control_hidden_states": torch.randn(1, config.vace_in_channels, frames, height, width, generator=generator),
+        "control_hidden_states_scale": torch.tensor([1.0, 0.7]),
+        "return_dict": False,
+    }
