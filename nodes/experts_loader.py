@@ -250,8 +250,6 @@ def load_held_experts(
     again.
     """
     options = offload or OffloadOptions()
-    if fp8_matmul:
-        refuse_fp8_matmul_without_fp8(files, weight_dtype)  # before a reused model is re-planned
     layouts = inspect_expert_files(files)
     key = ("experts", files, dtype, weight_dtype, float(boundary_ratio), str(device))
     if parallel is not None:
@@ -261,6 +259,8 @@ def load_held_experts(
     if model is not None and parallel is not None:
         logger.info("WanVACE: reusing the experts loaded in the parallel workers")
     elif model is not None:
+        if fp8_matmul:  # refused before the re-plan starts changing the model (a fresh load refuses it itself)
+            refuse_fp8_matmul_without_fp8(files, weight_dtype, layouts)
         replan(model, RuntimePlan(offload=options, attention=attention, fp8_matmul=fp8_matmul))
         logger.info("WanVACE: reusing the loaded experts (offload %r, attention %r)", options.mode, attention)
     else:

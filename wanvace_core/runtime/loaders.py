@@ -66,14 +66,15 @@ def load_expert_files(
     return build_model(loaded, plan, device)
 
 
-def refuse_fp8_matmul_without_fp8(files: ExpertFiles, weight_dtype: str) -> None:
-    """fp8 matmul needs expert weights kept in e4m3: refused up front (from the headers) when none will be."""
+def refuse_fp8_matmul_without_fp8(files: ExpertFiles, weight_dtype: str, layouts: dict | None = None) -> None:
+    """fp8 matmul needs expert weights kept in e4m3: refused up front (from the headers, or `layouts` already read
+    from them by `inspect_expert_files`) when none will be."""
     if weight_dtype != "auto":
         raise WanVACEInputError(
             f"fp8_matmul is on but weight_dtype={weight_dtype!r} dequantises every expert weight at load; choose "
             "weight_dtype auto (fp8 weights stay fp8), or turn fp8_matmul off."
         )
-    layouts = inspect_expert_files(files)
+    layouts = inspect_expert_files(files) if layouts is None else layouts
     if not any(
         source.entry.dtype == torch.float8_e4m3fn
         for name in EXPERT_NAMES
