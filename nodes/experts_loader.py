@@ -28,7 +28,14 @@ from ..wanvace_core.validation import nan_refusing_min
 from .held import forget_last, forget_on_unload, hold, reusable
 from .memory import cooperate, make_room_before_loading
 from .model_files import list_weight_files, resolve_listed_file
-from .runtime_inputs import attention_input, attention_refusal, fp8_matmul_input, fp8_matmul_refusal
+from .runtime_inputs import (
+    attention_input,
+    attention_refusal,
+    compile_input,
+    compile_refusal,
+    fp8_matmul_input,
+    fp8_matmul_refusal,
+)
 from .types import CATEGORY, WanVACEModelType, WanVACEOffloadType, WanVACEParallelType
 
 logger = logging.getLogger(__name__)
@@ -169,6 +176,7 @@ class WanVACEExpertsLoader(io.ComfyNode):
                 ),
                 attention_input(),
                 fp8_matmul_input(),
+                compile_input(),
             ],
             outputs=[WanVACEModelType.Output(display_name="model", tooltip="The loaded WanVACE pipeline.")],
         )
@@ -184,12 +192,13 @@ class WanVACEExpertsLoader(io.ComfyNode):
         low_noise_vace_module: str = NONE,
         attention: str = DEFAULT_ATTENTION,
         fp8_matmul: bool = False,
+        compile: bool = False,
     ) -> bool | str:
         # The files are checked together (headers only): whether they fit is a property of the set. ComfyUI lists
         # a refusal under every argument here (and skips its own list check for them), so only the file inputs
         # are arguments, each message names the input and file first, and names are checked against the lists.
         # attention is checked on this device: a kernel that cannot run here is refused at queue time.
-        refusal = attention_refusal(attention) or fp8_matmul_refusal(fp8_matmul)
+        refusal = attention_refusal(attention) or fp8_matmul_refusal(fp8_matmul) or compile_refusal(compile)
         if refusal is not None:
             return refusal
         if None in (high_noise_model, low_noise_model, text_encoder, vae):
@@ -220,6 +229,7 @@ class WanVACEExpertsLoader(io.ComfyNode):
         parallel: ParallelOptions | None = None,
         attention: str = DEFAULT_ATTENTION,
         fp8_matmul: bool = False,
+        compile: bool = False,
     ) -> io.NodeOutput:
         device = comfy.model_management.get_torch_device()
         files = _expert_files(
@@ -227,7 +237,7 @@ class WanVACEExpertsLoader(io.ComfyNode):
         )
         return io.NodeOutput(
             load_held_experts(
-                files, dtype, weight_dtype, boundary_ratio, device, offload, parallel, attention, fp8_matmul
+                files, dtype, weight_dtype, boundary_ratio, device, offload, parallel, attention, fp8_matmul, compile
             )
         )
 
@@ -242,18 +252,18 @@ def load_held_experts(
     parallel=None,
     attention: str = DEFAULT_ATTENTION,
     fp8_matmul: bool = False,
+    compile: bool = False,
 ) -> WanVACEModel:
-    """Loads the files, or re-attaches the pipeline already loaded from them when only the offload or attention
-    options changed.
+    """Loads the files, or re-attaches the pipeline already loaded from them when only the runtime options (offload,
+    attention, fp8_matmul, compile) changed.
 
-    With `parallel` the experts run in workers whose offload and attention are fixed at load, so any change loads
-    again.
+    With `parallel` the experts run in workers whose runtime options are fixed at load, so any change loads again.
     """
     options = offload or OffloadOptions()
     layouts = inspect_expert_files(files)
     key = ("experts", files, dtype, weight_dtype, float(boundary_ratio), str(device))
     if parallel is not None:
-        key += (options, parallel, attention, fp8_matmul)
+        key += (options, parallel, attention, fp8_matmul, compile)
     model = reusable(key, file_stamps(layouts))
     forget_last()  # other files or settings must not stay held beside this one
     if model is not None and parallel is not None:
@@ -261,7 +271,7 @@ def load_held_experts(
     elif model is not None:
         if fp8_matmul:  # refused before the re-plan starts changing the model (a fresh load refuses it itself)
             refuse_fp8_matmul_without_fp8(files, weight_dtype, layouts)
-        replan(model, RuntimePlan(offload=options, attention=attention, fp8_matmul=fp8_matmul))
+        replan(model, RuntimePlan(offload=options, attention=attention, fp8_matmul=fp8_matmul, compile=compile))
         logger.info("WanVACE: reusing the loaded experts (offload %r, attention %r)", options.mode, attention)
     else:
         if options.mode == "none" and parallel is None:
@@ -276,6 +286,7 @@ def load_held_experts(
             parallel=parallel,
             attention=attention,
             fp8_matmul=fp8_matmul,
+            compile=compile,
         )
     hold(key, model)
     cooperate(model, device).on_unload = forget_on_unload(model)

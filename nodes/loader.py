@@ -33,7 +33,7 @@ from .experts_loader import load_held_experts
 from .held import forget_last, forget_on_unload, hold, reusable
 from .memory import cooperate, make_room_before_loading
 from .model_files import folder_roots, resolve_listed_folder
-from .runtime_inputs import attention_input, attention_refusal
+from .runtime_inputs import attention_input, attention_refusal, compile_input, compile_refusal
 from .types import CATEGORY, WanVACEModelType, WanVACEOffloadType, WanVACEParallelType
 
 MODEL_FOLDER = "diffusers"
@@ -104,19 +104,24 @@ class WanVACEModelLoader(io.ComfyNode):
                     "devices or machines, each rank reading only its part. Unconnected = this process, one device.",
                 ),
                 attention_input(),
+                compile_input(),
             ],
             outputs=[WanVACEModelType.Output(display_name="model", tooltip="The loaded WanVACE pipeline.")],
         )
 
     @classmethod
     def validate_inputs(
-        cls, model_name: str | None = None, allow_pth_weights: bool = False, attention: str = DEFAULT_ATTENTION
+        cls,
+        model_name: str | None = None,
+        allow_pth_weights: bool = False,
+        attention: str = DEFAULT_ATTENTION,
+        compile: bool = False,
     ) -> bool | str:
         # ComfyUI lists a refusal under every argument of validate_inputs and skips its own list check for them, so
         # model_name is checked against the listed folders here; the pickle opt-in is an argument because whether
         # a folder loads depends on it. dtype's combo stays out (ComfyUI checks it; execute refuses it otherwise).
         # attention is checked on this device: a kernel that cannot run here is refused at queue time.
-        refusal = attention_refusal(attention)
+        refusal = attention_refusal(attention) or compile_refusal(compile)
         if refusal is not None:
             return refusal
         if model_name is None:
@@ -141,16 +146,21 @@ class WanVACEModelLoader(io.ComfyNode):
         offload: OffloadOptions | None = None,
         parallel: ParallelOptions | None = None,
         attention: str = DEFAULT_ATTENTION,
+        compile: bool = False,
     ) -> io.NodeOutput:
         device = comfy.model_management.get_torch_device()
         folder = resolve_model_folder(model_name)
         options = offload or OffloadOptions()
         if parallel is not None:
-            return io.NodeOutput(_load_parallel(folder, dtype, device, options, parallel, attention, allow_pth_weights))
+            return io.NodeOutput(
+                _load_parallel(folder, dtype, device, options, parallel, attention, compile, allow_pth_weights)
+            )
         if is_original_folder(folder):
             files = original_folder_files(folder, allow_pth_weights)
             return io.NodeOutput(
-                load_held_experts(files, dtype, "auto", DEFAULT_BOUNDARY_RATIO, device, options, attention=attention)
+                load_held_experts(
+                    files, dtype, "auto", DEFAULT_BOUNDARY_RATIO, device, options, attention=attention, compile=compile
+                )
             )
         if options.mode != "none" and device.type == "cpu":
             logger.warning(
@@ -160,13 +170,13 @@ class WanVACEModelLoader(io.ComfyNode):
         model = reusable(key, file_stamps(inspect_pipeline_folder(folder, check_weights=False)))
         forget_last()  # a pipeline of other files, or another dtype, must not stay held beside this one
         if model is not None:
-            # Only the offload or attention options changed: re-attach to the weights in memory, not re-read them.
-            replan(model, RuntimePlan(offload=options, attention=attention))
+            # Only the runtime options changed: re-attach to the weights in memory, not re-read them.
+            replan(model, RuntimePlan(offload=options, attention=attention, compile=compile))
             logger.info("WanVACE: reusing the loaded %s (offload %r, attention %r)", folder, options.mode, attention)
         else:
             if options.mode == "none":
                 make_room_before_loading(device, _weight_file_bytes(folder))
-            model = load_pipeline(folder, dtype, device, offload=options, attention=attention)
+            model = load_pipeline(folder, dtype, device, offload=options, attention=attention, compile=compile)
         hold(key, model)
         cooperate(model, device).on_unload = forget_on_unload(model)
         return io.NodeOutput(model)
@@ -179,17 +189,22 @@ def _load_parallel(
     offload: OffloadOptions,
     parallel: ParallelOptions,
     attention: str,
+    compile: bool,
     allow_pth_weights: bool,
 ):
     """Experts in parallel workers, text encoder and VAE here; the workers live as long as the model."""
     if is_original_folder(folder):
         files = original_folder_files(folder, allow_pth_weights)
-        return load_held_experts(files, dtype, "auto", DEFAULT_BOUNDARY_RATIO, device, offload, parallel, attention)
-    key = ("parallel", folder, dtype, str(device), offload, parallel, attention)
+        return load_held_experts(
+            files, dtype, "auto", DEFAULT_BOUNDARY_RATIO, device, offload, parallel, attention, compile=compile
+        )
+    key = ("parallel", folder, dtype, str(device), offload, parallel, attention, compile)
     model = reusable(key, file_stamps(inspect_pipeline_folder(folder, check_weights=False)))
     forget_last()  # the previous model's workers stop once nothing holds it
     if model is None:
-        model = load_pipeline(folder, dtype, device, offload=offload, parallel=parallel, attention=attention)
+        model = load_pipeline(
+            folder, dtype, device, offload=offload, parallel=parallel, attention=attention, compile=compile
+        )
     hold(key, model)
     cooperate(model, device).on_unload = forget_on_unload(model)
     return model

@@ -7,6 +7,7 @@ from comfy_api.latest import io
 
 from ..wanvace_core import ATTENTION_BACKENDS, DEFAULT_ATTENTION, WanVACEInputError, resolve_attention
 from ..wanvace_core.runtime.fp8_matmul import check_fp8_matmul
+from ..wanvace_core.runtime.regional_compile import check_regional_compile
 
 
 def attention_input() -> io.Combo.Input:
@@ -50,6 +51,29 @@ def fp8_matmul_refusal(fp8_matmul: bool) -> str | None:
         return None
     try:
         check_fp8_matmul(comfy.model_management.get_torch_device())
+    except WanVACEInputError as error:
+        return str(error)
+    return None
+
+
+def compile_input() -> io.Boolean.Input:
+    return io.Boolean.Input(
+        "compile",
+        default=False,
+        optional=True,
+        tooltip="Compile each transformer block with torch.compile (inductor): faster steps once compiled. The first "
+        "step at each new video size compiles (about a minute on a GPU; later prompts at that size reuse it). Needs "
+        "Triton on a GPU or a C++ compiler on a CPU; refused at queue time where it cannot build. Works with "
+        "offload, LoRA, cache and parallel workers. Changing only this re-attaches to the weights already loaded.",
+    )
+
+
+def compile_refusal(compile: bool) -> str | None:
+    """Why torch.compile cannot build kernels for ComfyUI's device, or None."""
+    if not compile:
+        return None
+    try:
+        check_regional_compile(comfy.model_management.get_torch_device())
     except WanVACEInputError as error:
         return str(error)
     return None

@@ -211,3 +211,26 @@ def test_attention_and_batched_cfg_reach_the_workers(tiny_folder, reference, ser
     assert torch.equal(got.latents, expected.latents)
     assert got.cache_report == expected.cache_report
     assert all(expert.cached_steps and expert.cfg_steps == 0 for expert in got.cache_report.experts), got.cache_report
+
+
+@pytest.mark.slow
+def test_compile_runs_in_the_workers_under_fsdp_and_ulysses(tiny_folder, reference, serving):
+    """Each rank compiles its blocks (plan step 7: traced around Ulysses' all-to-all, inside FSDP2's hooks), with and
+    without cache-dit: within Ulysses' tolerance of the single eager process, with its cache decisions."""
+    cond, expected_for = reference
+    expected = expected_for(2)
+    workers = serving(2)
+    with workers.stopped_on_failure():
+        parallel = workers.options(shard="fsdp", ulysses_degree=2)
+        model = load_pipeline(tiny_folder, "fp32", parallel=parallel, compile=True)
+        blocks = sum(len(expert.blocks) + len(expert.vace_blocks) for expert in model.experts)  # meta stand-ins here
+        try:
+            for cached in (False, True):
+                got = sample(model, cond, SETTINGS, cache=CACHE if cached else None)
+                difference = (got.latents - expected["fresh", cached].latents).abs().max().item()
+                assert difference <= ULYSSES_TOLERANCE, (cached, difference)
+                assert got.cache_report == expected["fresh", cached].cache_report
+        finally:
+            model.remote.close()
+        for rank in range(workers.world):
+            assert f"WanVACE compile: {blocks} blocks" in workers.log(rank), workers.tails()

@@ -1,6 +1,6 @@
-"""Runtime options through a real ComfyUI: the sampler's batched_cfg and the experts loader's fp8_matmul. What the
-log says ran, and results within the core tests' stated distance of the option off; absent or off, today's result
-bitwise."""
+"""Runtime options through a real ComfyUI: the sampler's batched_cfg, the experts loader's fp8_matmul and the model
+loader's compile. What the log says ran, and results within the core tests' stated distance of the option off;
+absent or off, today's result bitwise."""
 
 from __future__ import annotations
 
@@ -22,9 +22,12 @@ SEPARATE = "WanVACE CFG: separate passes"
 LATENT_TOLERANCE = 1e-4
 
 
-def _workflow(prefix: str, batched_cfg: str | None) -> dict:
+def _workflow(prefix: str, batched_cfg: str | None, compile: bool | None = None) -> dict:
     workflow = for_tiny_model(json.loads((API_DIR / "wanvace_v2v.json").read_text()))
-    workflow[node_id_of(workflow, "WanVACEModelLoader")]["inputs"]["dtype"] = "fp32"
+    loader = workflow[node_id_of(workflow, "WanVACEModelLoader")]["inputs"]
+    loader["dtype"] = "fp32"
+    if compile is not None:
+        loader["compile"] = compile
     sampler = node_id_of(workflow, "WanVACESampler")
     workflow[sampler]["inputs"]["seed"] = 71
     if batched_cfg is not None:
@@ -79,3 +82,15 @@ def test_fp8_matmul_runs_on_the_fp8_experts_and_stays_close(comfy_server):
     # tests/test_fp8_matmul.py: relative RMS 0.033 of the latents on the same tiny experts.
     relative = ((fast - plain).norm() / plain.norm()).item()
     assert 0 < relative <= 0.08, relative
+
+
+@pytest.mark.slow
+def test_compile_runs_the_blocks_compiled_and_off_is_eager_again(comfy_server):
+    plain, _ = _run(comfy_server, _workflow("compile/absent", None))
+    compiled, log = _run(comfy_server, _workflow("compile/on", None, compile=True))
+    # The tiny pair: 2 experts x (4 blocks + 2 VACE blocks).
+    assert "WanVACE: reusing the loaded" in log and "WanVACE compile: 12 blocks" in log, log
+    # tests/test_compile.py: 2.1e-6 to 2.9e-6 max abs on the core's tiny v2v latents.
+    assert (compiled - plain).abs().max().item() <= LATENT_TOLERANCE
+    again, _ = _run(comfy_server, _workflow("compile/off", None, compile=False))
+    assert torch.equal(again, plain)

@@ -22,13 +22,13 @@ EXPERT_NAMES = ("transformer", "transformer_2")
 
 
 def block_lists_of(module: torch.nn.Module) -> tuple[str, ...]:
-    try:
-        return BLOCK_LISTS[type(module).__name__]
-    except KeyError as error:
-        raise WanVACEError(
-            f"The block lists of {type(module).__name__} are unknown; declare them in "
-            "wanvace_core.load.loaded.BLOCK_LISTS."
-        ) from error
+    # By the class or a base: FSDP2 gives a sharded module a subclass of its own (FSDPWanVACETransformer3DModel).
+    for cls in type(module).__mro__:
+        if cls.__name__ in BLOCK_LISTS:
+            return BLOCK_LISTS[cls.__name__]
+    raise WanVACEError(
+        f"The block lists of {type(module).__name__} are unknown; declare them in wanvace_core.load.loaded.BLOCK_LISTS."
+    )
 
 
 def undeclared_block_lists(module: torch.nn.Module) -> list[str]:

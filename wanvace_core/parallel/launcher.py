@@ -352,7 +352,7 @@ def _close_quietly(conn: Connection | None, workers: LocalWorkers | None, launch
 def remote_experts(model, options: ParallelOptions, offload, runtime: dict) -> RemoteExperts:
     """The workers' side of `model` (its experts on meta here, `model.worker_source` saying where the workers read
     them), checked against the model; not started yet. The workers apply `offload` (options) and `runtime` (the
-    runtime plan's other options, plain: attention, fp8_matmul) to their experts."""
+    runtime plan's other options, plain: attention, fp8_matmul, compile) to their experts."""
     options.check_heads(model.reference_expert.config.num_attention_heads)
     options.check_devices(torch.cuda.device_count() if options.device_type == "cuda" else 0)
     request = {

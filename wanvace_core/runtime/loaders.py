@@ -25,6 +25,7 @@ def load_pipeline(
     offload: OffloadOptions | None = None,
     parallel: ParallelOptions | None = None,
     attention: str = DEFAULT_ATTENTION,
+    compile: bool = False,
 ) -> WanVACEModel:
     """Loads a WanVACE pipeline folder (Wan2.2 two-expert or Wan2.1 single transformer).
 
@@ -33,9 +34,10 @@ def load_pipeline(
     With `parallel` the experts load in parallel workers, each rank its own part; this process keeps the text
     encoder and VAE, the experts only as meta-device stand-ins carrying the config, and `offload` applies to
     the text encoder and VAE here and to the experts in the workers. `attention` is the experts' attention kernel
-    (`runtime.attention.ATTENTION_BACKENDS`; refused if it cannot run on `device`).
+    (`runtime.attention.ATTENTION_BACKENDS`; refused if it cannot run on `device`). `compile` compiles each
+    block's forward with torch.compile (`runtime.regional_compile`).
     """
-    plan = RuntimePlan(offload=offload or OffloadOptions(), parallel=parallel, attention=attention)
+    plan = RuntimePlan(offload=offload or OffloadOptions(), parallel=parallel, attention=attention, compile=compile)
     plan.check(device)
     loaded = read_pipeline_folder(path, dtype, plan.load_device(device), experts_on_meta=parallel is not None)
     return build_model(loaded, plan, device)
@@ -51,11 +53,16 @@ def load_expert_files(
     parallel: ParallelOptions | None = None,
     attention: str = DEFAULT_ATTENTION,
     fp8_matmul: bool = False,
+    compile: bool = False,
 ) -> WanVACEModel:
     """Loads a WanVACE pipeline from single files (see `ExpertFiles`); the options as `load_pipeline`, and
     `fp8_matmul`: experts' weights kept in fp8 compute with fp8 matmul (`runtime.fp8_matmul`)."""
     plan = RuntimePlan(
-        offload=offload or OffloadOptions(), parallel=parallel, attention=attention, fp8_matmul=fp8_matmul
+        offload=offload or OffloadOptions(),
+        parallel=parallel,
+        attention=attention,
+        fp8_matmul=fp8_matmul,
+        compile=compile,
     )
     plan.check(device)
     if fp8_matmul:

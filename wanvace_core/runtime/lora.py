@@ -548,6 +548,9 @@ class _BoundParameters:
     def add(self, attr: str, delta: torch.Tensor) -> None:
         self.deltas.setdefault(attr, []).append(delta)
 
+    # Rebinding a parameter inside a compiled block's graph (compile on) would be traced and replayed wrongly:
+    # these hooks always run eagerly, and the graph reads the parameter they bound.
+    @torch.compiler.disable
     def before(self, *_args) -> None:
         self.restore()  # a forward that raised never ran the restoring hook
         for attr, deltas in self.deltas.items():
@@ -560,6 +563,7 @@ class _BoundParameters:
             param.data = patched
             self.bound[attr] = (current, patched)
 
+    @torch.compiler.disable
     def after(self, *_args) -> None:
         self.restore()
 

@@ -16,7 +16,10 @@ Per expert, always in this order (`EXPERT_STEPS`):
 5. `fp8_matmul`: layers whose weights are kept in fp8 compute with `torch._scaled_mm` (`fp8_matmul.py`)
    instead of dequantising; a forward of the layer, so the module hooks of (4) and LoRA run around it;
 6. `attention`: the attention kernel, through diffusers' dispatcher (`attention.py`); it is set on each
-   attention processor, so it runs inside the Ulysses wrapper (2) too.
+   attention processor, so it runs inside the Ulysses wrapper (2) too;
+7. `compile`: each block's forward compiled (`regional_compile.py`). Last, because it traces what the steps
+   before put inside a block (fp8 matmul, the attention backend, and per run the LoRA hooks), while the hooks
+   of (2)-(4) sit around the block's forward and stay eager.
 
 Then, in ComfyUI's process only, `workers`: with parallel options, the experts' workers are started here,
 and they run this same function on their side.
@@ -24,7 +27,8 @@ and they run this same function on their side.
 Per sampling run, entered around `sample` in this order and left in reverse (`RUN_STEPS`), also on an
 error or a cancel: `settle` (weights back to their resting place if the run fails), `loras` (hooks added
 after the residency's, so a LoRA sees the weights the residency just bound), `cache` (cache-dit wraps the
-block lists the steps above prepared, for this run only).
+block lists the steps above prepared, for this run only), `compiled_cache` (with compile and cache both on:
+the blocks cache-dit patched run the compiled forward again).
 
 Changing the offload options re-plans (4) over the weights already loaded: nothing is read from the
 files again except weights an unload had dropped.
@@ -53,11 +57,12 @@ from .interleave import apply_interleaved_vace, current_execution_order
 from .lora import applied_loras
 from .model import WanVACEModel
 from .offload import OffloadOptions, ShardedResidency, StreamOps, Transfer, make_residency
+from .regional_compile import apply_regional_compile, check_regional_compile, compiled_cached_blocks
 
 logger = logging.getLogger(__name__)
 
-EXPERT_STEPS = ("interleaved_vace", "ulysses", "fsdp", "residency", "fp8_matmul", "attention")
-RUN_STEPS = ("settle", "loras", "cache")
+EXPERT_STEPS = ("interleaved_vace", "ulysses", "fsdp", "residency", "fp8_matmul", "attention", "compile")
+RUN_STEPS = ("settle", "loras", "cache", "compiled_cache")
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,7 @@ class RuntimePlan:
     parallel: ParallelOptions | None = None
     attention: str = DEFAULT_ATTENTION
     fp8_matmul: bool = False
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_BACKENDS:
@@ -85,6 +91,8 @@ class RuntimePlan:
         resolve_attention(self.attention, where)
         if self.fp8_matmul:
             check_fp8_matmul(where)
+        if self.compile:
+            check_regional_compile(where)
 
     def load_device(self, device: torch.device | str) -> torch.device:
         """Where the loaders read weights to: the device itself without offload, else host memory."""
@@ -140,9 +148,10 @@ def apply_plan(
     if rank is not None or plan.parallel is None:  # else the experts here are stand-ins: the workers apply these
         _apply_fp8_matmul(model, plan)
         _apply_attention(model, plan)
+        _apply_regional_compile(model, plan)
     model.plan = plan
     if rank is None and plan.parallel is not None:
-        runtime = {"attention": plan.attention, "fp8_matmul": plan.fp8_matmul}
+        runtime = {"attention": plan.attention, "fp8_matmul": plan.fp8_matmul, "compile": plan.compile}
         model.remote = remote_experts(model, plan.parallel, plan.offload, runtime)
         model.remote.start()
 
@@ -150,11 +159,12 @@ def apply_plan(
 def replan(
     model: WanVACEModel, plan: RuntimePlan, transfer: Transfer | None = None, *, stream_ops: StreamOps | None = None
 ) -> None:
-    """Puts a loaded model (experts in this process) under another plan's offload and attention (steps 4 and 5),
-    over the weights already in memory; the steps before stay as applied."""
+    """Puts a loaded model (experts in this process) under another plan's steps 4-7 (offload, fp8 matmul,
+    attention, compile), over the weights already in memory; the steps before stay as applied."""
     _apply_residency(model, plan, None, False, transfer, stream_ops)
     _apply_fp8_matmul(model, plan)
     _apply_attention(model, plan)
+    _apply_regional_compile(model, plan)
     model.plan = plan
 
 
@@ -190,6 +200,14 @@ def _apply_attention(model: WanVACEModel, plan: RuntimePlan) -> None:
     logger.info("WanVACE attention: %s (chosen: %s)", backend, plan.attention)
 
 
+def _apply_regional_compile(model: WanVACEModel, plan: RuntimePlan) -> None:
+    if plan.compile:
+        check_regional_compile(model.device)
+    blocks = sum(apply_regional_compile(expert, plan.compile) for expert in model.experts)
+    if plan.compile:
+        logger.info("WanVACE compile: %d blocks (torch.compile per block; each new size compiles once)", blocks)
+
+
 def _apply_residency(model, plan: RuntimePlan, rank, sharded: bool, transfer, stream_ops) -> None:
     model.close_residency()  # the new residency must find the weights unhooked and off the ring
     if rank is None:
@@ -216,6 +234,8 @@ def planned_run(model: WanVACEModel, cache=None) -> Iterator[None]:
             run.enter_context(applied_loras(model, model.loras))
         if cache is not None:
             run.enter_context(cache)
+            if model.plan is not None and model.plan.compile:
+                run.enter_context(compiled_cached_blocks([getattr(model, r.attribute) for r in cache.runs]))
         yield
 
 
