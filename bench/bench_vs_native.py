@@ -9,6 +9,7 @@ calls of batch 1 (separate passes) or one call of batch 2 (batched). What runs o
 
 - ours, default: separate passes, attention `native` (today's default);
 - ours, best: `batched_cfg` on, attention `auto` (`native` on a CPU);
+- ours, compiled: the best settings plus `compile` (each block's forward compiled; compiled in the warm-up);
 - ComfyUI, default: its sampler batches cond and uncond when memory allows (one call of batch 2); on a CPU
   without flags its attention is sub-quadratic (`attention_sub_quad`);
 - ComfyUI, best: batched, PyTorch SDPA (`--use-pytorch-cross-attention`).
@@ -122,6 +123,7 @@ def _split(inputs: dict) -> list[dict]:
 
 
 OURS_DEFAULT, OURS_BEST = "ours default (separate, native)", "ours best (batched, auto)"
+OURS_COMPILED = "ours compiled (batched, auto, compile)"
 THEIRS_DEFAULT, THEIRS_BEST = "ComfyUI default (batched, sub-quad)", "ComfyUI best (batched, pytorch)"
 
 
@@ -132,6 +134,8 @@ def _bench_size(model, comfy_model, frames: int, height: int, width: int, repeat
     pair = _inputs(expert, frames, height, width, batch=2)
     singles = _split(pair)
     check = (_ours(expert, pair, scale) - _theirs(comfy_model, pair, 1.0)).abs().max().item()
+    replan(model, RuntimePlan(attention="auto", compile=True))
+    compiled_check = (_ours(expert, pair, scale) - _theirs(comfy_model, pair, 1.0)).abs().max().item()
 
     def ours_default():
         for single in singles:
@@ -147,6 +151,7 @@ def _bench_size(model, comfy_model, frames: int, height: int, width: int, repeat
     runs = {
         OURS_DEFAULT: (lambda: replan(model, RuntimePlan()), ours_default),
         OURS_BEST: (lambda: replan(model, RuntimePlan(attention="auto")), ours_best),
+        OURS_COMPILED: (lambda: replan(model, RuntimePlan(attention="auto", compile=True)), ours_best),
         THEIRS_DEFAULT: (_comfy_attention(comfy_attention.attention_sub_quad), theirs),
         THEIRS_BEST: (_comfy_attention(comfy_attention.attention_pytorch), theirs),
     }
@@ -161,12 +166,16 @@ def _bench_size(model, comfy_model, frames: int, height: int, width: int, repeat
             run()
             times[name].append(time.perf_counter() - start)
     median = {name: statistics.median(values) for name, values in times.items()}
-    print(f"\n{tokens} tokens ({frames}x{height}x{width} latent); ours vs ComfyUI max abs difference {check:.2e}")
+    print(
+        f"\n{tokens} tokens ({frames}x{height}x{width} latent); ours vs ComfyUI max abs difference {check:.2e} "
+        f"(compiled {compiled_check:.2e})"
+    )
     for name, seconds in median.items():
         print(f"  {name:38s} {seconds * 1000:9.1f} ms")
     print(f"  ratio ComfyUI default / ours default : {median[THEIRS_DEFAULT] / median[OURS_DEFAULT]:.2f}x")
     print(f"  ratio ComfyUI best / ours best       : {median[THEIRS_BEST] / median[OURS_BEST]:.2f}x")
     print(f"  ratio ours separate / batched CFG    : {median[OURS_DEFAULT] / median[OURS_BEST]:.2f}x")
+    print(f"  ratio ours eager / compiled          : {median[OURS_BEST] / median[OURS_COMPILED]:.2f}x")
 
 
 def main() -> None:

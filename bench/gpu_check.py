@@ -69,8 +69,17 @@ MACHINE_HAS = (
 )
 # The gpu-marked tests run under pytest; pyproject's `timeout` option is pytest-timeout's.
 TEST_TOOLS = ("pytest", "pytest-timeout")
+# The fast-path bench's other side: SageAttention 1.x (what ComfyUI's --use-sage-attention runs; diffusers refuses
+# it, so our `auto` does not pick it) and what ComfyUI's `comfy` package (copied by gpu_wheels.sh) imports at start.
+FAST_PATH_TOOLS = ("sageattention==1.0.6", "comfy-aimdo==0.4.13")
 # The benches gpu_check.sh runs, whose imports are checked with the library's and the tests'.
-GPU_BENCHES = ("bench_offload_gpu.py", "bench_single_file_gpu.py", "bench_parallel_gpu.py", "bench_vae_tiling.py")
+GPU_BENCHES = (
+    "bench_offload_gpu.py",
+    "bench_single_file_gpu.py",
+    "bench_parallel_gpu.py",
+    "bench_vae_tiling.py",
+    "bench_fast_path_gpu.py",
+)
 # Imported by no import statement of ours: diffusers' Wan pipelines clean prompts with ftfy when it is installed
 # (and fail without it), pytest loads pytest-timeout as a plugin, the parallel bench runs torch.distributed.run.
 EXTRA_MODULES = ("ftfy", "pytest_timeout", "torch.distributed.run")
@@ -194,8 +203,9 @@ def wheels(dest: Path, has_file: Path | None) -> int:
     print(f"[gpu_wheels] the GPU machine is taken to have {len(has)} distributions ({source})")
     pins = _pins()
     partial = Path(tempfile.mkdtemp(prefix="gpu-wheels."))  # `dest` is replaced only once every wheel is in
-    roots = _requirements_file(REPO / "requirements.txt") + list(TEST_TOOLS)
-    queue = [(Requirement(text), "requirements.txt" if text not in TEST_TOOLS else "the gpu tests") for text in roots]
+    roots = _requirements_file(REPO / "requirements.txt") + list(TEST_TOOLS) + list(FAST_PATH_TOOLS)
+    wanted_by = {**dict.fromkeys(TEST_TOOLS, "the gpu tests"), **dict.fromkeys(FAST_PATH_TOOLS, "the fast-path bench")}
+    queue = [(Requirement(text), wanted_by.get(text, "requirements.txt")) for text in roots]
     specs: dict[str, list[tuple[SpecifierSet, str]]] = {}
     got: dict[str, Wheel] = {}
     while queue:

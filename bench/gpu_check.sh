@@ -93,6 +93,8 @@ main() {
         "$PY" -m pip freeze --all >"$OUT_DIR/pip_freeze.txt" 2>/dev/null || rm -f "$OUT_DIR/pip_freeze.txt"
     fi
     export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" WANVACE_GPU_SITE="$SITE" WANVACE_GPU_WORK="$WORK"
+    # ComfyUI's comfy package as bench/gpu_wheels.sh copied it (the fast-path bench's ComfyUI row).
+    [ -d "$WHEELS/comfyui/comfy" ] && export WANVACE_COMFY_DIR="${WANVACE_COMFY_DIR:-$WHEELS/comfyui}"
     export PYTHONUNBUFFERED=1
     # Our pytest on PYTHONPATH would otherwise load every plugin python3's own site-packages registers.
     export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
@@ -115,6 +117,10 @@ main() {
     step cpu "cpu: parallel (torchrun, gloo), tiny" "$CPU_LIMIT_S" cpu_parallel.json \
         "$PY" bench/bench_parallel_gpu.py --device cpu --tiny --steps 1 --json "$WORK/cpu_parallel.json" \
         || cpu_failed=1
+    # Every row but compile (the tiny graphs take a minute to build on a CPU), ComfyUI's model included.
+    step cpu "cpu: fast path vs ComfyUI, tiny" "$CPU_LIMIT_S" cpu_fast_path.json \
+        "$PY" bench/bench_fast_path_gpu.py --device cpu --tiny --sizes 64x64x5 --steps 1 \
+        --rows today,attention_auto,fp8_matmul,batched_cfg --json "$WORK/cpu_fast_path.json" || cpu_failed=1
     # 64x64, one frame, 48 px tiles overlapping 16 px: 2x2 tiles, the smallest decode that blends tiles; the real
     # VAE's width makes it the slowest CPU part, so it gets up to 8 of the host's cores.
     local threads
@@ -147,14 +153,15 @@ Python {platform.python_version()}")' | tee "$WORK/device.txt"
     # The tiny-model tests: every offload mode and LoRA through the CUDA ring, the sharded world-1 path.
     step tests "gpu tests (${#gpu_tests[@]} files, -m gpu)" 90 - "${pytest[@]}" -m gpu -q -rfEs \
         --junitxml "$WORK/junit.xml" "${gpu_tests[@]}" || status=1
+    # The fast path (issue 18): 4 of the 40 A14B blocks + 1 VACE block, every option alone, all together (compile
+    # warm-up included: untimed), and ComfyUI's Wan model at its best, at 480p and 720p.
+    step gpu "fast path 480x832x81, 720x1280x81, 4 blocks" 150 fast_path.json \
+        "$PY" bench/bench_fast_path_gpu.py --sizes 480x832x81,720x1280x81 --layers 4 --steps 2 \
+        --json "$WORK/fast_path.json" || status=1
     # 480p, every mode, 2 steps (the first is a warm-up; in `model` the second includes the expert swap).
     step gpu "offload 480x832x81: none, model, layerwise" 110 offload_480.json \
         "$PY" bench/bench_offload_gpu.py --height 480 --width 832 --frames 81 --steps 2 \
         --json "$WORK/offload_480.json" || status=1
-    # 720p, none against layerwise only, 1 step each (~30 s; its warm-up share is small at this size).
-    step gpu "offload 720x1280x81: none, layerwise" 120 offload_720.json \
-        "$PY" bench/bench_offload_gpu.py --height 720 --width 1280 --frames 81 --steps 1 --modes none,layerwise \
-        --json "$WORK/offload_720.json" || status=1
     # bf16 against kept fp8 and kept GGUF Q8_0 weights, one A14B expert, 480p only (720p would triple it).
     step gpu "single-file formats 480x832x81: bf16, fp8, q8_0" 90 single_file_480.json \
         "$PY" bench/bench_single_file_gpu.py --sizes 480x832x81 --steps 2 --json "$WORK/single_file_480.json" \

@@ -34,5 +34,15 @@ start=$SECONDS
     echo "[gpu_wheels] FAILED after $((SECONDS - start)) s; .gpu-wheels/ is left as it was" >&2
     exit 1
 }
+# ComfyUI's `comfy` package (its Python files) from the current set's tree, for the fast-path bench's ComfyUI row.
+COMFY_TREE="${WANVACE_COMFY_DIR:-$ROOT/.cache/comfyui-current}"
+if [ -d "$COMFY_TREE/comfy" ]; then
+    mkdir -p "$DEST/comfyui" && (cd "$COMFY_TREE" && find comfy -name '*.py' -print0 \
+        | xargs -0 cp --parents -t "$DEST/comfyui") \
+        || { echo "[gpu_wheels] ERROR: copying $COMFY_TREE/comfy failed" >&2; exit 1; }
+    echo "[gpu_wheels] ComfyUI's comfy package from $COMFY_TREE: $(du -sh "$DEST/comfyui" | cut -f1) in $DEST/comfyui"
+else
+    echo "[gpu_wheels] no ComfyUI tree at $COMFY_TREE (set WANVACE_COMFY_DIR): the fast-path bench will leave ComfyUI out"
+fi
 echo "[gpu_wheels] done in $((SECONDS - start)) s: copy the repository with .gpu-wheels/ to the GPU machine" \
     "and run: bash bench/gpu_check.sh"
