@@ -123,6 +123,116 @@ def build_model(
     return model
 
 
+@dataclass
+class _Applying:
+    """What the steps of one `apply_plan` / `replan` call share."""
+
+    model: WanVACEModel
+    plan: RuntimePlan
+    rank: RankContext | None
+    transfer: Transfer | None
+    stream_ops: StreamOps | None
+
+    @property
+    def sharded(self) -> bool:
+        return self.rank is not None and self.plan.parallel is not None and self.plan.parallel.shard != "none"
+
+    @property
+    def experts_here(self) -> bool:
+        """False in ComfyUI's process with parallel workers: its experts are meta stand-ins, the workers apply these."""
+        return self.rank is not None or self.plan.parallel is None
+
+    def experts(self) -> Iterator[tuple[str, torch.nn.Module]]:
+        return ((name, expert) for name in EXPERT_NAMES if (expert := getattr(self.model, name)) is not None)
+
+
+def _step_interleaved_vace(applying: _Applying) -> None:
+    for _, expert in applying.experts():
+        apply_interleaved_vace(expert)
+
+
+def _step_ulysses(applying: _Applying) -> None:
+    if applying.rank is not None and applying.rank.groups.ulysses_group is not None:
+        for _, expert in applying.experts():
+            apply_ulysses(expert, applying.rank.groups.ulysses_group)
+
+
+def _step_fsdp(applying: _Applying) -> None:
+    if not applying.sharded:
+        return
+    rank, model = applying.rank, applying.model
+    for name, expert in applying.experts():
+        cpu_offload = applying.plan.offload.mode != "none"
+        shard_and_fill(expert, rank.shard_sources[name], rank.groups.shard_mesh, model.device, cpu_offload)
+        prefetch_in_order(expert, current_execution_order(expert))
+
+
+def _step_residency(applying: _Applying) -> None:
+    model, plan = applying.model, applying.plan
+    model.close_residency()  # the new residency must find the weights unhooked and off the ring
+    if applying.rank is None:
+        components = model.components
+    else:  # a worker holds only the experts; its VAE is a meta stand-in for the config
+        components = dict(applying.experts())
+    if applying.sharded:
+        model.residency = ShardedResidency(components)
+    else:
+        model.residency = make_residency(
+            plan.offload, components, model.weights, model.device, applying.transfer, stream_ops=applying.stream_ops
+        )
+
+
+def _step_fp8_matmul(applying: _Applying) -> None:
+    if not applying.experts_here:
+        return
+    model, plan = applying.model, applying.plan
+    if plan.fp8_matmul:
+        check_fp8_matmul(model.device)
+    layers = sum(apply_fp8_matmul(expert, plan.fp8_matmul) for expert in model.experts)
+    if plan.fp8_matmul and layers == 0:
+        raise WanVACEInputError(
+            "fp8_matmul is on but no expert weight is kept in fp8; it needs fp8 expert files (e.g. "
+            "wan2.2_fun_vace_*_fp8_scaled.safetensors) loaded with weight_dtype auto. Turn fp8_matmul off."
+        )
+    if plan.fp8_matmul:
+        logger.info("WanVACE fp8 matmul: %d layers", layers)
+
+
+def _step_attention(applying: _Applying) -> None:
+    if not applying.experts_here:
+        return
+    model, plan = applying.model, applying.plan
+    backend = resolve_attention(plan.attention, model.device)
+    for expert in model.experts:
+        apply_attention(expert, backend)
+    logger.info("WanVACE attention: %s (chosen: %s)", backend, plan.attention)
+
+
+def _step_compile(applying: _Applying) -> None:
+    if not applying.experts_here:
+        return
+    model, plan = applying.model, applying.plan
+    if plan.compile:
+        check_regional_compile(model.device)
+    blocks = sum(apply_regional_compile(expert, plan.compile) for expert in model.experts)
+    if plan.compile:
+        logger.info("WanVACE compile: %d blocks (torch.compile per block; each new size compiles once)", blocks)
+
+
+_EXPERT_STEP_FUNCTIONS = {
+    "interleaved_vace": _step_interleaved_vace,
+    "ulysses": _step_ulysses,
+    "fsdp": _step_fsdp,
+    "residency": _step_residency,
+    "fp8_matmul": _step_fp8_matmul,
+    "attention": _step_attention,
+    "compile": _step_compile,
+}
+# What `replan` re-applies over weights already in memory: the steps from here on (the ones before change the
+# experts' structure, sharding or forward, which a loaded model keeps).
+_REPLANNED_FROM = "residency"
+
+
 def apply_plan(
     model: WanVACEModel,
     plan: RuntimePlan,
@@ -131,24 +241,10 @@ def apply_plan(
     transfer: Transfer | None = None,
     stream_ops: StreamOps | None = None,
 ) -> None:
-    """Applies `EXPERT_STEPS` to `model`'s experts, then (in ComfyUI's process) starts its workers."""
-    sharded = rank is not None and plan.parallel is not None and plan.parallel.shard != "none"
-    for name in EXPERT_NAMES:
-        expert = getattr(model, name)
-        if expert is None:
-            continue
-        apply_interleaved_vace(expert)
-        if rank is not None and rank.groups.ulysses_group is not None:
-            apply_ulysses(expert, rank.groups.ulysses_group)
-        if sharded:
-            cpu_offload = plan.offload.mode != "none"
-            shard_and_fill(expert, rank.shard_sources[name], rank.groups.shard_mesh, model.device, cpu_offload)
-            prefetch_in_order(expert, current_execution_order(expert))
-    _apply_residency(model, plan, rank, sharded, transfer, stream_ops)
-    if rank is not None or plan.parallel is None:  # else the experts here are stand-ins: the workers apply these
-        _apply_fp8_matmul(model, plan)
-        _apply_attention(model, plan)
-        _apply_regional_compile(model, plan)
+    """Applies `EXPERT_STEPS`, in that order, to `model`'s experts, then (in ComfyUI's process) starts its workers."""
+    applying = _Applying(model, plan, rank, transfer, stream_ops)
+    for step in EXPERT_STEPS:
+        _EXPERT_STEP_FUNCTIONS[step](applying)
     model.plan = plan
     if rank is None and plan.parallel is not None:
         runtime = {"attention": plan.attention, "fp8_matmul": plan.fp8_matmul, "compile": plan.compile}
@@ -159,12 +255,11 @@ def apply_plan(
 def replan(
     model: WanVACEModel, plan: RuntimePlan, transfer: Transfer | None = None, *, stream_ops: StreamOps | None = None
 ) -> None:
-    """Puts a loaded model (experts in this process) under another plan's steps 4-7 (offload, fp8 matmul,
-    attention, compile), over the weights already in memory; the steps before stay as applied."""
-    _apply_residency(model, plan, None, False, transfer, stream_ops)
-    _apply_fp8_matmul(model, plan)
-    _apply_attention(model, plan)
-    _apply_regional_compile(model, plan)
+    """Puts a loaded model (experts in this process) under another plan's steps from `residency` on (offload, fp8
+    matmul, attention, compile), over the weights already in memory; the steps before stay as applied."""
+    applying = _Applying(model, plan, None, transfer, stream_ops)
+    for step in EXPERT_STEPS[EXPERT_STEPS.index(_REPLANNED_FROM) :]:
+        _EXPERT_STEP_FUNCTIONS[step](applying)
     model.plan = plan
 
 
@@ -180,63 +275,32 @@ def attach_offload(
     replan(model, dataclasses.replace(current, offload=options), transfer, stream_ops=stream_ops)
 
 
-def _apply_fp8_matmul(model: WanVACEModel, plan: RuntimePlan) -> None:
-    if plan.fp8_matmul:
-        check_fp8_matmul(model.device)
-    layers = sum(apply_fp8_matmul(expert, plan.fp8_matmul) for expert in model.experts)
-    if plan.fp8_matmul and layers == 0:
-        raise WanVACEInputError(
-            "fp8_matmul is on but no expert weight is kept in fp8; it needs fp8 expert files (e.g. "
-            "wan2.2_fun_vace_*_fp8_scaled.safetensors) loaded with weight_dtype auto. Turn fp8_matmul off."
-        )
-    if plan.fp8_matmul:
-        logger.info("WanVACE fp8 matmul: %d layers", layers)
-
-
-def _apply_attention(model: WanVACEModel, plan: RuntimePlan) -> None:
-    backend = resolve_attention(plan.attention, model.device)
-    for expert in model.experts:
-        apply_attention(expert, backend)
-    logger.info("WanVACE attention: %s (chosen: %s)", backend, plan.attention)
-
-
-def _apply_regional_compile(model: WanVACEModel, plan: RuntimePlan) -> None:
-    if plan.compile:
-        check_regional_compile(model.device)
-    blocks = sum(apply_regional_compile(expert, plan.compile) for expert in model.experts)
-    if plan.compile:
-        logger.info("WanVACE compile: %d blocks (torch.compile per block; each new size compiles once)", blocks)
-
-
-def _apply_residency(model, plan: RuntimePlan, rank, sharded: bool, transfer, stream_ops) -> None:
-    model.close_residency()  # the new residency must find the weights unhooked and off the ring
-    if rank is None:
-        components = model.components
-    else:  # a worker holds only the experts; its VAE is a meta stand-in for the config
-        components = {name: expert for name in EXPERT_NAMES if (expert := getattr(model, name)) is not None}
-    if sharded:
-        model.residency = ShardedResidency(components)
-    else:
-        model.residency = make_residency(
-            plan.offload, components, model.weights, model.device, transfer, stream_ops=stream_ops
-        )
-
-
 @contextlib.contextmanager
 def planned_run(model: WanVACEModel, cache=None) -> Iterator[None]:
-    """`RUN_STEPS` around one sampling run: entered in order, left in reverse, also on an error or a cancel.
+    """`RUN_STEPS` around one sampling run: entered in that order, left in reverse, also on an error or a cancel.
 
     `cache` is the run's `caching.CachedExperts` (or None).
     """
     with contextlib.ExitStack() as run:
-        run.enter_context(_settled_on_error(model))
-        if model.loras:
-            run.enter_context(applied_loras(model, model.loras))
-        if cache is not None:
-            run.enter_context(cache)
-            if model.plan is not None and model.plan.compile:
-                run.enter_context(compiled_cached_blocks([getattr(model, r.attribute) for r in cache.runs]))
+        for step in RUN_STEPS:
+            entered = _RUN_STEP_FUNCTIONS[step](model, cache)
+            if entered is not None:
+                run.enter_context(entered)
         yield
+
+
+def _run_step_loras(model: WanVACEModel, cache):
+    return applied_loras(model, model.loras) if model.loras else None
+
+
+def _run_step_cache(model: WanVACEModel, cache):
+    return cache
+
+
+def _run_step_compiled_cache(model: WanVACEModel, cache):
+    if cache is None or model.plan is None or not model.plan.compile:
+        return None
+    return compiled_cached_blocks([getattr(model, run.attribute) for run in cache.runs])
 
 
 @contextlib.contextmanager
@@ -247,3 +311,11 @@ def _settled_on_error(model: WanVACEModel) -> Iterator[None]:
     except BaseException:
         model.residency.settle()
         raise
+
+
+_RUN_STEP_FUNCTIONS = {
+    "settle": lambda model, cache: _settled_on_error(model),
+    "loras": _run_step_loras,
+    "cache": _run_step_cache,
+    "compiled_cache": _run_step_compiled_cache,
+}
