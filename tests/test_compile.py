@@ -184,15 +184,16 @@ def test_a_machine_that_cannot_build_kernels_is_refused_before_loading(tiny_fold
         raise AssertionError("weights were read for a refused compile choice")
 
     monkeypatch.setattr("wanvace_core.runtime.loaders.read_pipeline_folder", no_reading)
-    monkeypatch.setattr(inductor_config.cpp, "cxx", ("/nonexistent/g++",))
-    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)  # or a kernel built earlier is found on disk
-    torch._dynamo.reset()  # nor may the probe's earlier compiled code answer
-    compile_failure.cache_clear()
-    try:
-        with pytest.raises(WanVACEInputError) as refused:
-            load_pipeline(tiny_folder, "fp32", compile=True)
-    finally:
+    # The compiler is part of inductor's cache key, so no kernel built earlier answers from the disk cache.
+    with inductor_config.patch({"cpp.cxx": ("/nonexistent/g++",)}):
+        torch._dynamo.reset()  # nor the probe's code compiled earlier in this process
         compile_failure.cache_clear()
+        try:
+            with pytest.raises(WanVACEInputError) as refused:
+                load_pipeline(tiny_folder, "fp32", compile=True)
+        finally:
+            compile_failure.cache_clear()
+            torch._dynamo.reset()
     message = str(refused.value)
     assert message.startswith("compile is on but torch.compile cannot build kernels for cpu ("), message
     assert "C++ compiler" in message and message.endswith("Turn compile off."), message
