@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.bench_offload_gpu import A14B, TINY  # noqa: E402
 from bench.bench_single_file_gpu import _inputs, _parse_size, _relative_error, _sync, build_expert  # noqa: E402
-from tests.single_files import original_wan_state_dict  # noqa: E402
+from bench.comfy_wan import ComfyWeightsRefused, comfy_vace_model  # noqa: E402
 from wanvace_core.runtime.attention import apply_attention, resolve_attention  # noqa: E402
 from wanvace_core.runtime.fp8_matmul import apply_fp8_matmul  # noqa: E402
 from wanvace_core.runtime.regional_compile import apply_regional_compile  # noqa: E402
@@ -141,7 +141,7 @@ def _measure(step, warmup: int, steps: int, device: torch.device) -> dict:
     }
 
 
-def _comfy_model(expert, config: dict, device: torch.device):
+def _comfy_model(expert, device: torch.device):
     """ComfyUI's VaceWanModel over the expert's weights (original Wan names), or the reason it cannot be built."""
     comfy_dir = os.environ.get("WANVACE_COMFY_DIR")
     if comfy_dir:
@@ -152,7 +152,6 @@ def _comfy_model(expert, config: dict, device: torch.device):
         comfy_args.cpu = device.type != "cuda"
         import comfy.ldm.modules.attention as comfy_attention
         import comfy.ldm.wan.model as comfy_wan
-        import comfy.ops
     except ImportError as error:
         return None, f"ComfyUI's comfy package does not import ({error}); set WANVACE_COMFY_DIR to a ComfyUI tree"
     try:
@@ -161,27 +160,11 @@ def _comfy_model(expert, config: dict, device: torch.device):
         comfy_wan.optimized_attention, attention = comfy_attention.attention_sage, "sage"
     except ImportError:
         comfy_wan.optimized_attention, attention = comfy_attention.attention_pytorch, "pytorch"
-    model = comfy_wan.VaceWanModel(
-        patch_size=tuple(config["patch_size"]),
-        in_dim=config["in_channels"],
-        dim=config["num_attention_heads"] * config["attention_head_dim"],
-        ffn_dim=config["ffn_dim"],
-        freq_dim=config["freq_dim"],
-        text_dim=config["text_dim"],
-        out_dim=config["out_channels"],
-        num_heads=config["num_attention_heads"],
-        num_layers=config["num_layers"],
-        eps=config["eps"],
-        vace_layers=len(config["vace_layers"]),
-        vace_in_dim=config["vace_in_channels"],
-        operations=comfy.ops.disable_weight_init,
-        device=device,
-        dtype=torch.bfloat16,
-    )
-    missing, unexpected = model.load_state_dict(original_wan_state_dict(expert), strict=False)
-    if missing or unexpected:
-        return None, f"ComfyUI's model did not take the weights: missing {missing[:3]}, unexpected {unexpected[:3]}"
-    return model.eval().requires_grad_(False), f"batched, {attention} attention"
+    try:
+        model = comfy_vace_model(expert, dtype=torch.bfloat16, device=device)
+    except ComfyWeightsRefused as error:
+        return None, str(error)
+    return model, f"batched, {attention} attention"
 
 
 def _rows(results: dict, sizes, layers: int, mfu: dict) -> list[dict]:
@@ -238,7 +221,7 @@ def main() -> int:
     sizes = [_parse_size(text) for text in args.sizes.split(",")]
     results, mfu = {}, {}
     experts = {fmt: build_expert(config, fmt, device) for fmt in ("bf16", "fp8")}
-    comfy_model, comfy_how = (None, "left out") if args.no_comfy else _comfy_model(experts["bf16"], config, device)
+    comfy_model, comfy_how = (None, "left out") if args.no_comfy else _comfy_model(experts["bf16"], device)
     chosen = args.rows.split(",")
     unknown = set(chosen) - set(OPTIONS)
     if unknown:

@@ -7,7 +7,12 @@ Builds two Wan2.2-VACE-Fun-A14B-sized experts (40 blocks + 8 VACE blocks, dim 51
 weights (no download; both experts share one host copy of the weights, so host RAM holds ~35 GB),
 runs `--steps` CFG denoising steps per mode (high-noise expert for the first half, low-noise for the
 rest) and prints per-step time, peak VRAM, host RSS (private and file-backed) and the layerwise/none
-overhead. `--json PATH` also writes the rows (bench/gpu_check.sh's table), rewritten after each mode so a run
+overhead. Mode `group` is diffusers' `apply_group_offloading` (block level, one block per group, side stream,
+next group prefetched) on the same experts: `group/layerwise` is the figure that decides between it and our
+layerwise residency (wanvace_core/runtime/offload.py). With streams it pins a host copy of the expert (~35 GB
+more host memory here; the experts share weights, so one expert under it runs every step); `--group-low-cpu-mem`
+pins per transfer instead. `--json PATH` also writes
+the rows (bench/gpu_check.sh's table), rewritten after each mode so a run
 stopped by its time limit keeps the modes it finished. `--device cpu --tiny`: a tiny config of the same
 architecture on the CPU "device" (every mode, outputs compared bitwise; times mean nothing). Without CUDA (and
 without `--device cpu`) it says so and exits.
@@ -113,6 +118,11 @@ def _run_mode(mode: str, experts, inputs, args, device: torch.device) -> dict:
     if mode == "none":
         for expert in experts:
             expert.to(device)
+    elif mode == "group":
+        # The two experts share their weights, so one expert under group offloading runs every step: one pinned
+        # host copy (~35 GB at A14B size) instead of two.
+        experts = (experts[0], experts[0])
+        _apply_diffusers_group_offloading(experts[:1], args, device)
     else:
         options = OffloadOptions(mode=mode, prefetch_blocks=args.prefetch, max_pinned_mb=args.max_pinned_mb)
         offloader = Offloader(components, options, device=device)
@@ -121,9 +131,40 @@ def _run_mode(mode: str, experts, inputs, args, device: torch.device) -> dict:
     finally:
         if offloader is not None:
             offloader.close()
+        elif mode == "group":
+            _remove_diffusers_group_offloading(experts[:1])
         else:
             for expert in experts:
                 expert.to("cpu")
+
+
+def _apply_diffusers_group_offloading(experts, args, device: torch.device) -> None:
+    """diffusers' own block-level offloading, at the settings that make it fastest: one block per group, copies on a
+    side stream with the next group prefetched (on CUDA), pinned host copies made once unless --group-low-cpu-mem."""
+    from diffusers.hooks import apply_group_offloading
+
+    for expert in experts:
+        apply_group_offloading(
+            expert,
+            onload_device=device,
+            offload_device="cpu",
+            offload_type="block_level",
+            num_blocks_per_group=1,
+            non_blocking=device.type == "cuda",
+            use_stream=device.type == "cuda",
+            low_cpu_mem_usage=args.group_low_cpu_mem,
+        )
+
+
+def _remove_diffusers_group_offloading(experts) -> None:
+    from diffusers.hooks import HookRegistry
+
+    for expert in experts:
+        registry = HookRegistry.check_if_exists_or_initialize(expert)
+        # The hook names diffusers.hooks.group_offloading registers (0.36 and 0.42).
+        for name in ("group_offloading", "layer_execution_tracker", "lazy_prefetch_group_offloading"):
+            registry.remove_hook(name, recurse=True)
+        expert.to("cpu")
 
 
 def _measure(experts, inputs, args, mode: str, device: torch.device) -> dict:
@@ -161,6 +202,8 @@ def _rows(results: dict) -> list[dict]:
             if peak is not None and base_peak:
                 ratios["VRAM/none"] = peak / base_peak
             note = "bitwise = none" if torch.equal(r["output"], results["none"]["output"]) else "DIFFERS from none"
+        if mode == "group" and "layerwise" in results:
+            ratios["step/layerwise"] = r["median_step_s"] / results["layerwise"]["median_step_s"]
         rows.append(
             {"row": mode, "seconds": r["median_step_s"], "peak_gib": r["peak_vram_gb"], "ratios": ratios, "note": note}
         )
@@ -189,7 +232,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--prefetch", type=int, default=1)
     parser.add_argument("--max-pinned-mb", type=int, default=0)
-    parser.add_argument("--modes", default="none,model,layerwise")
+    parser.add_argument(
+        "--modes", default="none,model,layerwise,group", help="group: diffusers' apply_group_offloading, block level"
+    )
+    parser.add_argument(
+        "--group-low-cpu-mem", action="store_true", help="group: pin per transfer instead of one pinned copy"
+    )
     parser.add_argument("--json", help="also write the rows here as JSON (bench/gpu_check.sh's table)")
     args = parser.parse_args()
     for name, full, tiny in (("height", 480, 64), ("width", 832, 64), ("frames", 81, 9)):
@@ -228,11 +276,14 @@ def main() -> None:
         )
         _write_json(args.json, config_text, device, results)
     if "none" in results:
-        for mode in ("model", "layerwise"):
+        for mode in ("model", "layerwise", "group"):
             if mode in results:
                 ratio = results[mode]["median_step_s"] / results["none"]["median_step_s"]
                 same = torch.equal(results[mode]["output"], results["none"]["output"])
                 print(f"{mode}/none per-step time {ratio:.3f}; outputs bitwise equal: {same}")
+    if "layerwise" in results and "group" in results:
+        ratio = results["group"]["median_step_s"] / results["layerwise"]["median_step_s"]
+        print(f"group/layerwise per-step time {ratio:.3f} (above 1: ours is faster)")
 
 
 if __name__ == "__main__":

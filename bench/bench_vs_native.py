@@ -34,7 +34,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 # Ours first: this repository's `tests` is a namespace package, which ComfyUI's regular `tests` package would shadow.
-from tests.single_files import original_wan_state_dict  # noqa: E402
 from wanvace_core import RuntimePlan, load_pipeline, replan  # noqa: E402
 from wanvace_core.load.tiny import TinyModelSpec, write_tiny_pipeline  # noqa: E402
 
@@ -47,33 +46,10 @@ comfy_args.cpu = not torch.cuda.is_available()  # as `main.py --cpu`: model_mana
 
 import comfy.ldm.modules.attention as comfy_attention  # noqa: E402
 import comfy.ldm.wan.model as comfy_wan  # noqa: E402
-import comfy.ops  # noqa: E402
+
+from bench.comfy_wan import comfy_vace_model  # noqa: E402
 
 TEXT_TOKENS = 512
-
-
-def _comfy_model(expert) -> torch.nn.Module:
-    config = expert.config
-    model = comfy_wan.VaceWanModel(
-        patch_size=tuple(config.patch_size),
-        in_dim=config.in_channels,
-        dim=config.num_attention_heads * config.attention_head_dim,
-        ffn_dim=config.ffn_dim,
-        freq_dim=config.freq_dim,
-        text_dim=config.text_dim,
-        out_dim=config.out_channels,
-        num_heads=config.num_attention_heads,
-        num_layers=config.num_layers,
-        eps=config.eps,
-        vace_layers=len(config.vace_layers),
-        vace_in_dim=config.vace_in_channels,
-        operations=comfy.ops.disable_weight_init,
-        dtype=expert.dtype,
-    )
-    missing, unexpected = model.load_state_dict(original_wan_state_dict(expert), strict=False)
-    if missing or unexpected:
-        raise SystemExit(f"ComfyUI's model did not take the weights: missing {missing}, unexpected {unexpected}")
-    return model.eval()
 
 
 def _inputs(expert, frames: int, height: int, width: int, batch: int) -> dict:
@@ -206,7 +182,7 @@ def main() -> None:
         folder = write_tiny_pipeline(Path(tmp) / "bench-model", spec)
         model = load_pipeline(folder, args.dtype)
         expert = model.transformer
-        comfy_model = _comfy_model(expert)
+        comfy_model = comfy_vace_model(expert, dtype=expert.dtype)
         print(
             f"expert: dim {args.dim}, {args.heads} heads of {head_dim}, {args.layers} blocks + {len(spec.vace_layers)} "
             f"VACE blocks, {args.dtype}, {args.threads} threads, median of {args.repeats}; one CFG step (2 passes)"

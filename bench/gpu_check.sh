@@ -159,7 +159,7 @@ Python {platform.python_version()}")' | tee "$WORK/device.txt"
         "$PY" bench/bench_fast_path_gpu.py --sizes 480x832x81,720x1280x81 --layers 4 --steps 2 \
         --json "$WORK/fast_path.json" || status=1
     # 480p, every mode, 2 steps (the first is a warm-up; in `model` the second includes the expert swap).
-    step gpu "offload 480x832x81: none, model, layerwise" 110 offload_480.json \
+    step gpu "offload 480x832x81: none, model, layerwise, diffusers group" 140 offload_480.json \
         "$PY" bench/bench_offload_gpu.py --height 480 --width 832 --frames 81 --steps 2 \
         --json "$WORK/offload_480.json" || status=1
     # bf16 against kept fp8 and kept GGUF Q8_0 weights, one A14B expert, 480p only (720p would triple it).

@@ -4,6 +4,8 @@
 #   current = ComfyUI 0.33 ($COMFYUI_DIR, the ComfyUI this clone is installed in, else ../shared/comfyui/),
 #             torch 2.11, transformers 5, diffusers 0.42
 # Extra arguments go to pytest. WANVACE_SETS="current" runs one set. Exits non-zero if any set fails.
+# The current set runs every test; the oldest set runs each test's first variant and no `one_set` test
+# (tests/conftest.py says why; WANVACE_FULL=1 runs everything in both).
 # Ends with each set's time and passed / skipped / failed counts; pytest lists each set's 15 slowest tests.
 set -uo pipefail
 

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -16,6 +17,38 @@ from wanvace_core import load_pipeline  # noqa: E402
 from wanvace_core.load.tiny import COMFY_SHAPED, TinyModelSpec, write_tiny_pipeline  # noqa: E402
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
+
+# The current set runs every test in every variant. The oldest set proves each feature works on the oldest
+# dependencies: each parametrized test runs its first variant there (every variant where it is marked
+# `every_variant`), and tests marked `one_set` are left to the current set. WANVACE_FULL=1 runs all in both.
+TRIMMED_SET = "oldest"
+
+
+def _trimmed() -> bool:
+    return os.environ.get("WANVACE_SET") == TRIMMED_SET and os.environ.get("WANVACE_FULL") != "1"
+
+
+def pytest_report_header(config):
+    if _trimmed():
+        return (
+            f"{TRIMMED_SET} set: first variant of each parametrized test (all where marked every_variant), "
+            "no one_set tests; WANVACE_FULL=1 runs them all"
+        )
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    if not _trimmed():
+        return
+    kept, left_out = [], []
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        later_variant = callspec is not None and any(index != 0 for index in callspec.indices.values())
+        dropped = item.get_closest_marker("one_set") or (later_variant and not item.get_closest_marker("every_variant"))
+        (left_out if dropped else kept).append(item)
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = kept
 
 
 @pytest.fixture(scope="session")

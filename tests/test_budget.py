@@ -71,6 +71,7 @@ def measured(tiny_folder) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.one_set
 @pytest.mark.parametrize("case", CASES)
 def test_estimate_is_near_the_measured_peak(case, measured):
     result = measured[case]

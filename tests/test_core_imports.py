@@ -5,7 +5,7 @@ only until the function runs), relative or absolute, and `importlib.import_modul
 layers, each importing only from itself and the layers after it:
 
     wanvace_core (the API the nodes use) and wanvace_core.worker
-    → generation → runtime → parallel → load → errors / validation
+    → generation → runtime → parallel → load → errors / validation / hooks
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ LAYERS = (
     ("wanvace_core.runtime",),
     ("wanvace_core.parallel",),
     ("wanvace_core.load",),
-    ("wanvace_core.errors", "wanvace_core.validation"),
+    ("wanvace_core.errors", "wanvace_core.validation", "wanvace_core.hooks"),
 )
 # Top-level modules of a ComfyUI tree (its package and the modules of its root folder).
 COMFYUI_MODULES = {

@@ -89,6 +89,7 @@ def test_interleaved_forward_is_restored_after_a_cached_run(loaded_models):
 
 
 @pytest.mark.slow
+@pytest.mark.one_set
 def test_interleaving_lowers_the_activation_peak_by_several_hints():
     import importlib.util
     from argparse import Namespace

@@ -37,6 +37,7 @@ from tests.rss import (
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.one_set,
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status"),
 ]
 

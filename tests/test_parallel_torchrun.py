@@ -213,6 +213,7 @@ def worker_key(monkeypatch, torchrun):
     monkeypatch.setenv("WANVACE_WORKER_KEY", KEY)
 
 
+@pytest.mark.one_set
 def test_torchrun_workers_equal_the_local_launcher_and_one_process_and_outlive_a_release(
     torchrun, reference, tiny_folder, worker_key
 ):
@@ -295,6 +296,7 @@ def test_a_world_size_that_does_not_match_the_torchrun_ranks_is_refused_and_they
     assert torch.equal(got, sample(model, cond, SETTINGS).latents)
 
 
+@pytest.mark.one_set
 def test_a_comfyui_that_dies_mid_run_leaves_the_torchrun_workers_serving(torchrun, reference, tiny_folder, worker_key):
     model, cond = reference
     script = textwrap.dedent(

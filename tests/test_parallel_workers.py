@@ -134,6 +134,7 @@ def _parallel(tiny_folder, **kwargs):
     return load_pipeline(tiny_folder, "fp32", parallel=ParallelOptions(**options))
 
 
+@pytest.mark.one_set
 def test_a_killed_worker_fails_the_prompt_and_the_next_prompt_starts_fresh_workers(reference, tiny_folder):
     model, cond = reference
     expected = sample(model, cond, SETTINGS).latents
@@ -155,6 +156,7 @@ def test_a_killed_worker_fails_the_prompt_and_the_next_prompt_starts_fresh_worke
     parallel.remote.close()
 
 
+@pytest.mark.one_set
 def test_a_hung_worker_times_out_and_is_stopped(reference, tiny_folder):
     model, cond = reference
     parallel = _parallel(tiny_folder, timeout_s=4.0)
@@ -173,6 +175,7 @@ def test_a_hung_worker_times_out_and_is_stopped(reference, tiny_folder):
     parallel.remote.close()
 
 
+@pytest.mark.one_set
 def test_freeing_the_model_stops_its_workers_and_their_ports_are_their_own(tiny_folder, monkeypatch):
     """A port this process finds free and closes again can be taken by another process before a worker binds it
     (EADDRINUSE, seen under load): starting the workers binds no socket here; rank 0 binds its ports itself."""
@@ -194,6 +197,7 @@ def test_freeing_the_model_stops_its_workers_and_their_ports_are_their_own(tiny_
     assert _wait_gone(pids) == []
 
 
+@pytest.mark.one_set
 def test_workers_exit_when_the_comfyui_process_dies(tiny_folder, tmp_path):
     script = textwrap.dedent(
         f"""

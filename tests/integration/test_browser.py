@@ -362,6 +362,7 @@ def object_info(comfy_server) -> dict:
     return comfy_server.object_info()
 
 
+@pytest.mark.every_variant
 @pytest.mark.parametrize("task", WORKFLOWS)
 def test_ui_workflow_matches_converter(object_info, task):
     ui = make_workflows.build_ui_workflow(task, object_info)
@@ -459,6 +460,7 @@ def browser_results(comfy_server, tmp_path_factory) -> dict[str, dict]:
 
 
 @pytest.mark.browser
+@pytest.mark.every_variant
 @pytest.mark.parametrize("task", WORKFLOWS)
 def test_workflow_loads_cleanly(browser_results, task):
     res = browser_results[task]
@@ -472,6 +474,7 @@ def test_workflow_loads_cleanly(browser_results, task):
 
 
 @pytest.mark.browser
+@pytest.mark.every_variant
 @pytest.mark.parametrize("task", WORKFLOWS)
 def test_workflow_opens_with_its_input_files(browser_results, task):
     # Every combo is among the server's options, but the model folder, which the user downloads.
@@ -493,6 +496,7 @@ def test_workflow_opens_with_its_input_files(browser_results, task):
 
 
 @pytest.mark.browser
+@pytest.mark.every_variant
 @pytest.mark.parametrize("task", WORKFLOWS)
 def test_saved_view_hides_nothing(browser_results, task):
     res = browser_results[task]
@@ -503,6 +507,7 @@ def test_saved_view_hides_nothing(browser_results, task):
 
 
 @pytest.mark.browser
+@pytest.mark.every_variant
 @pytest.mark.parametrize("task", WORKFLOWS)
 def test_nodes_keep_to_their_groups_as_the_frontend_sizes_them(browser_results, task):
     res = browser_results[task]

@@ -206,6 +206,8 @@ def test_consecutive_prompts_equal_the_workflow_without_parallel_options(server,
     assert _worker_pids(server.proc.pid) == workers, "the workers were restarted between prompts"
 
 
+# A cancel and an unload stop a run and the workers the same way in every mode: each is checked in one.
+@pytest.mark.parametrize("mode", [MODES[0]], indirect=True)
 def test_cancel_mid_prompt_is_interrupted_and_the_next_prompt_gives_the_same_result(server, references, mode):
     options, exact = mode
     tag = "-".join(f"{key}{value}" for key, value in options.items())
@@ -229,6 +231,7 @@ def test_cancel_mid_prompt_is_interrupted_and_the_next_prompt_gives_the_same_res
     assert _worker_pids(server.proc.pid) == workers, "a cancel should stop the run, not the workers"
 
 
+@pytest.mark.parametrize("mode", [MODES[0]], indirect=True)
 def test_unload_stops_the_workers_and_the_next_prompt_starts_fresh_ones(server, references, mode):
     options, exact = mode
     tag = "-".join(f"{key}{value}" for key, value in options.items())

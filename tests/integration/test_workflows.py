@@ -51,6 +51,7 @@ def _t2v(seed: int, prefix: str, model: str = TINY_MODEL, **sampler_inputs) -> d
     return _set_input(workflow, "WanVACESampler", seed=seed, **sampler_inputs)
 
 
+@pytest.mark.every_variant
 @pytest.mark.parametrize("task", WORKFLOWS)
 def test_shipped_workflow_runs_and_writes_a_video(task, comfy_server):
     workflow = for_tiny_model(_api_twin(task))

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
 from ..errors import WanVACEError, WanVACEInputError
+from ..hooks import ModuleHooks
 from .options import divisors
 
 _INSTALLED = "_wanvace_ulysses"
@@ -146,8 +147,8 @@ class _Installed:
     shards: SequenceShards
     first_block: torch.nn.Module
     processors: list[tuple[torch.nn.Module, object]] = field(default_factory=list)
-    handles: list = field(default_factory=list)
-    call_handles: list = field(default_factory=list)
+    hooks: ModuleHooks = field(default_factory=ModuleHooks)
+    call_hooks: ModuleHooks = field(default_factory=ModuleHooks)  # for one call: under cache-dit's block wrapper
     tokens: int = 0
 
 
@@ -235,12 +236,10 @@ def apply_ulysses(expert: torch.nn.Module, group: dist.ProcessGroup) -> None:
         # Under cache-dit `blocks.0` is its wrapper around all main blocks (see the module docstring).
         entry = expert.blocks[0]
         if entry is not installed.first_block:
-            installed.call_handles.append(entry.register_forward_pre_hook(split_video, with_kwargs=True))
+            installed.call_hooks.pre(entry, split_video, with_kwargs=True)
 
     def forget_call(_module, _args, _kwargs, _output):
-        for handle in installed.call_handles:
-            handle.remove()
-        installed.call_handles.clear()
+        installed.call_hooks.remove()
 
     def split_video(_module, args, kwargs):
         return _split_if_whole(installed, args, kwargs, 0, "hidden_states")
@@ -252,15 +251,12 @@ def apply_ulysses(expert: torch.nn.Module, group: dist.ProcessGroup) -> None:
     def gather_output(_module, _args, output):
         return shards.gather(output)
 
-    installed.handles += [
-        expert.rope.register_forward_pre_hook(check_and_note_tokens),
-        expert.register_forward_hook(forget_call, with_kwargs=True, always_call=True),
-        installed.first_block.register_forward_pre_hook(split_video, with_kwargs=True),
-        expert.proj_out.register_forward_hook(gather_output),
-    ]
-    installed.handles += [
-        block.register_forward_pre_hook(split_video_and_control, with_kwargs=True) for block in expert.vace_blocks
-    ]
+    installed.hooks.pre(expert.rope, check_and_note_tokens)
+    installed.hooks.post(expert, forget_call, with_kwargs=True, always_call=True)
+    installed.hooks.pre(installed.first_block, split_video, with_kwargs=True)
+    installed.hooks.post(expert.proj_out, gather_output)
+    for block in expert.vace_blocks:
+        installed.hooks.pre(block, split_video_and_control, with_kwargs=True)
     for _name, attn in _self_attentions(expert):
         installed.processors.append((attn, attn.processor))
         attn.set_processor(UlyssesSelfAttention(attn.processor, shards))
@@ -272,8 +268,8 @@ def remove_ulysses(expert: torch.nn.Module) -> None:
     installed: _Installed | None = expert.__dict__.pop(_INSTALLED, None)
     if installed is None:
         return
-    for handle in installed.handles + installed.call_handles:
-        handle.remove()
+    installed.call_hooks.remove()
+    installed.hooks.remove()
     for attn, processor in installed.processors:
         attn.set_processor(processor)
 

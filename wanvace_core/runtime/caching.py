@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import WanVACEError, WanVACEInputError
+from ..hooks import instance_forward, set_instance_forward
 from ..validation import validate_finite, validate_integer
 from .model import WanVACEModel
 
@@ -181,7 +182,7 @@ class _ForwardSnapshot:
 
     @classmethod
     def take(cls, expert: torch.nn.Module) -> _ForwardSnapshot:
-        return cls(expert, expert.__dict__.get("forward"), [block.__dict__.get("forward") for block in expert.blocks])
+        return cls(expert, instance_forward(expert), [instance_forward(block) for block in expert.blocks])
 
     def restore(self) -> None:
         modules = [(self.expert, self.forward, _FUNCTOR_MARKS)]
@@ -190,9 +191,7 @@ class _ForwardSnapshot:
             for block, forward in zip(self.expert.blocks, self.block_forwards, strict=True)
         ]
         for module, forward, marks in modules:
-            module.__dict__.pop("forward", None)
-            if forward is not None:
-                module.forward = forward
+            set_instance_forward(module, forward)
             for mark in marks:
                 module.__dict__.pop(mark, None)
 

@@ -11,11 +11,11 @@ hooks (LoRA, offload) stay on the module and run around it as before. The kernel
 from __future__ import annotations
 
 import functools
-import types
 
 import torch
 
 from ..errors import WanVACEInputError
+from ..hooks import install_forward, remove_forward
 from ..load.quantized import QuantizedLinear
 
 FP8 = torch.float8_e4m3fn
@@ -51,9 +51,9 @@ def apply_fp8_matmul(expert: torch.nn.Module, enabled: bool) -> int:
     layers = fp8_linears(expert)
     for layer in layers:
         if enabled:
-            layer.forward = types.MethodType(_scaled_mm_forward, layer)
+            install_forward(layer, _scaled_mm_forward)
         else:
-            layer.__dict__.pop("forward", None)
+            remove_forward(layer, _scaled_mm_forward)
     return len(layers)
 
 

@@ -17,10 +17,10 @@ gradient checkpointing.
 
 from __future__ import annotations
 
-import types
-
 import torch
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
+
+from ..hooks import install_forward, runs_forward
 
 _STOCK_FORWARD = "_wanvace_stock_forward"
 
@@ -151,10 +151,9 @@ def apply_interleaved_vace(transformer: torch.nn.Module) -> torch.nn.Module:
     """Installs the interleaved forward on one WanVACE transformer instance (idempotent)."""
     if not hasattr(transformer, _STOCK_FORWARD):
         setattr(transformer, _STOCK_FORWARD, transformer.forward)
-    transformer.forward = types.MethodType(_interleaved_forward, transformer)
+    install_forward(transformer, _interleaved_forward)
     return transformer
 
 
 def uses_interleaved_vace(transformer: torch.nn.Module) -> bool:
-    forward = getattr(transformer, "forward", None)
-    return getattr(forward, "__func__", None) is _interleaved_forward
+    return runs_forward(transformer, _interleaved_forward)

@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from ..errors import WanVACEInputError
+from ..hooks import ModuleHooks
 from ..load.quantized import QuantizedLinear
 from ..validation import validate_finite
 from .offload import OnDevice
@@ -684,7 +685,7 @@ def _merged(model, planned) -> Iterator[None]:
                 weights[key] = _MergedWeight(change.module, change.attr)
                 experts.setdefault(attribute, []).append(weights[key])
             weights[key].terms.append((change, strength))
-    handles = []
+    hooks = ModuleHooks()
 
     def merge_all(entries):
         with torch.no_grad():
@@ -696,11 +697,10 @@ def _merged(model, planned) -> Iterator[None]:
             model.activate(attribute)  # weights an unload dropped are read back before they are merged into
             merge_all(entries)
             expert = getattr(model, attribute)
-            handles.append(expert.register_forward_pre_hook(lambda *_args, _entries=entries: merge_all(_entries)))
+            hooks.pre(expert, lambda *_args, _entries=entries: merge_all(_entries))
         yield
     finally:
-        for handle in handles:
-            handle.remove()
+        hooks.remove()
         with torch.no_grad():
             for entry in weights.values():
                 entry.restore()
@@ -722,7 +722,7 @@ def applied_loras(model, patches: Sequence[LoraPatch]) -> Iterator[None]:
     _refuse_merge(model, planned)
     # Under offload the weights live in host memory between uses; so do the LoRA terms (copied in per use).
     device = model.device if _offload_mode(model) == "none" else torch.device("cpu")
-    handles = []
+    hooks = ModuleHooks()
     binders: list[_BoundParameters] = []
     try:
         with _merged(model, planned):
@@ -742,17 +742,16 @@ def applied_loras(model, patches: Sequence[LoraPatch]) -> Iterator[None]:
                         bound[id(change.module)].add(change.attr, _delta(change, strength).to(device))
                 _log(patch, attribute, strength, changes, "applied on the fly")
             for module, terms in outputs.values():
-                handles.append(module.register_forward_hook(terms))
+                hooks.post(module, terms)
             for binder in bound.values():
                 binders.append(binder)
                 # Registered after offload's hooks, so the pre-hook patches the copy offload just bound;
                 # prepended, so the original is back before offload's release hook unbinds it.
-                handles.append(binder.module.register_forward_pre_hook(binder.before))
-                handles.append(binder.module.register_forward_hook(binder.after, prepend=True))
+                hooks.pre(binder.module, binder.before)
+                hooks.post(binder.module, binder.after, prepend=True)
             yield
     finally:
-        for handle in handles:
-            handle.remove()
+        hooks.remove()
         for binder in binders:
             binder.restore()
 

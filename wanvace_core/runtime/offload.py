@@ -17,6 +17,12 @@ The copying sits behind `Transfer` (`wanvace_core.runtime.transfer`): `Synchrono
 calling thread (CPU, and the reference for tests); `RingTransfer` stages blocks through a bounded ring
 of pinned buffers and copies them on a side stream. Everything else (what is resident, when, in which
 order, what is freed) is ordinary Python, tested on the CPU.
+
+`layerwise` rather than diffusers' `apply_group_offloading` (block level, side stream): that one pins a host copy of
+every block (~35 GB more locked memory per A14B expert) or pins again on every transfer (`low_cpu_mem_usage`),
+where the ring's pinned memory is bounded by `max_pinned_mb`, and it has no answer to ComfyUI's unload and memory
+planning (`release_all`, `planned_bytes`); its speed against ours is `group/layerwise` in
+bench/bench_offload_gpu.py (not yet measured on a GPU; on the CPU, where neither copies, its hooks cost 0.54x ours).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from typing import Protocol
 import torch
 
 from ..errors import WanVACEError, WanVACEInputError
+from ..hooks import ModuleHooks
 from ..load.loaded import WeightSource, block_lists_of, loaded_bytes, tensor_bytes, undeclared_block_lists
 from ..parallel.sharding import local_shard_bytes
 from .interleave import current_execution_order, execution_order
@@ -133,13 +140,13 @@ def _is_dropped(module: torch.nn.Module) -> bool:
     return any(param.is_meta for param in module.parameters())
 
 
-def _activate_experts_on_forward(residency: Residency, components: dict[str, torch.nn.Module]) -> list:
+def _activate_experts_on_forward(residency: Residency, components: dict[str, torch.nn.Module]) -> ModuleHooks:
     """Forward pre-hooks that activate each expert just before it runs, whichever mode is attached."""
-    return [
-        components[name].register_forward_pre_hook(lambda *_, _name=name: residency.activate(_name))
-        for name in EXPERTS
-        if components.get(name) is not None
-    ]
+    hooks = ModuleHooks()
+    for name in EXPERTS:
+        if components.get(name) is not None:
+            hooks.pre(components[name], lambda *_, _name=name: residency.activate(_name))
+    return hooks
 
 
 class OnDevice(Residency):
@@ -199,9 +206,7 @@ class OnDevice(Residency):
         return loaded_bytes(self.components.values())
 
     def close(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
+        self._hooks.remove()
 
 
 def _control_input(args: tuple, kwargs: dict):
@@ -222,12 +227,13 @@ class _BlockStreamer:
         self.units = {name: Unit.of_module(f"{expert_name}.{name}", expert.get_submodule(name)) for name in self.order}
         self.pending: dict[str, object] = {}  # name -> transfer handle, copy in flight
         self.bound: dict[str, object] = {}  # name -> transfer handle, parameters point at device copies
-        self.handles = [expert.register_forward_pre_hook(self._forward_start, with_kwargs=True)]
-        self.handles.append(expert.register_forward_hook(self._forward_end))
+        self.hooks = ModuleHooks()
+        self.hooks.pre(expert, self._forward_start, with_kwargs=True)
+        self.hooks.post(expert, self._forward_end)
         for name in self.order:
             block = expert.get_submodule(name)
-            self.handles.append(block.register_forward_pre_hook(lambda *_, _name=name: self.before_block(_name)))
-            self.handles.append(block.register_forward_hook(lambda *_, _name=name: self.after_block(_name)))
+            self.hooks.pre(block, lambda *_, _name=name: self.before_block(_name))
+            self.hooks.post(block, lambda *_, _name=name: self.after_block(_name))
 
     @property
     def resident(self) -> set[str]:
@@ -305,7 +311,7 @@ class Offloader(Residency):
         # Tests and benchmarks append callables here to watch every move; nothing is kept otherwise.
         self.observers: list[Callable[[OffloadEvent], None]] = []
         self.active: str | None = None
-        self._hooks: list = []
+        self._hooks = ModuleHooks()
         self.units: dict[str, Unit] = {}
         self.streamers: dict[str, _BlockStreamer] = {}
         # Registered before the streamers' hooks: activating releases other units first, then the
@@ -343,12 +349,10 @@ class Offloader(Residency):
     def close(self) -> None:
         """Releases everything and removes every hook; the modules behave as if never offloaded."""
         self.release_all()
-        for handle in self._hooks:
-            handle.remove()
+        self._hooks.remove()
         for streamer in self.streamers.values():
-            for handle in streamer.handles:
-                handle.remove()
-        self._hooks, self.streamers = [], {}
+            streamer.hooks.remove()
+        self.streamers = {}
         self.transfer.close()
 
     def _resident_names(self) -> list[str]:

@@ -30,6 +30,9 @@ after the residency's, so a LoRA sees the weights the residency just bound), `ca
 block lists the steps above prepared, for this run only), `compiled_cache` (with compile and cache both on:
 the blocks cache-dit patched run the compiled forward again).
 
+Every step attaches to the modules in one way (`wanvace_core.hooks`): torch module hooks, kept per step, and an
+instance forward where the step changes the computation (1, 5, 7).
+
 Changing the offload options re-plans (4) over the weights already loaded: nothing is read from the
 files again except weights an unload had dropped.
 """
