@@ -34,6 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 # Ours first: this repository's `tests` is a namespace package, which ComfyUI's regular `tests` package would shadow.
+from bench.comfy_wan import comfy_vace_model  # noqa: E402
 from wanvace_core import RuntimePlan, load_pipeline, replan  # noqa: E402
 from wanvace_core.load.tiny import TinyModelSpec, write_tiny_pipeline  # noqa: E402
 
@@ -46,8 +47,6 @@ comfy_args.cpu = not torch.cuda.is_available()  # as `main.py --cpu`: model_mana
 
 import comfy.ldm.modules.attention as comfy_attention  # noqa: E402
 import comfy.ldm.wan.model as comfy_wan  # noqa: E402
-
-from bench.comfy_wan import comfy_vace_model  # noqa: E402
 
 TEXT_TOKENS = 512
 
