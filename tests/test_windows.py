@@ -102,7 +102,17 @@ def _comfy_answers(cases: list[dict], out_file: str) -> None:
 
 # --- the pytest side -------------------------------------------------------------------------------------
 
-from wanvace_core import WanVACEInputError  # noqa: E402
+from tests.vace_tasks import HEIGHT, NEGATIVE, PROMPT, WIDTH  # noqa: E402
+from wanvace_core import (  # noqa: E402
+    CacheOptions,
+    SamplerSettings,
+    VACEInputs,
+    WanVACEInputError,
+    load_pipeline,
+    prepare_conditioning,
+    sample,
+)
+from wanvace_core.generation.guidance import Guidance  # noqa: E402
 from wanvace_core.generation.windows import (  # noqa: E402
     ContextWindowOptions,
     check_windows,
@@ -110,6 +120,7 @@ from wanvace_core.generation.windows import (  # noqa: E402
     plan_windows,
     window_frames,
     window_weights,
+    windowed_prediction,
 )
 
 
@@ -151,6 +162,10 @@ def test_window_lists_and_weights_equal_comfyuis(comfy):
             refused += 1
             continue
         ours = window_frames(options, case["frames"], case["step"])
+        if case["schedule"] == "looped_uniform" and case["frames"] == case["length"]:
+            # One window, not rotated (windows.py's deliberate differences).
+            assert ours == [list(range(case["frames"]))], case
+            continue
         assert ours == answer["windows"], case
         for method, theirs in answer["weights"].items():
             weighted = ContextWindowOptions(**{**options.__dict__, "fuse_method": method})
@@ -225,6 +240,127 @@ def test_settings_that_leave_a_frame_out_at_some_step_are_refused_before_samplin
 def test_latent_sizes_follow_the_vae():
     options = ContextWindowOptions(context_length=81, context_overlap=16)
     assert (options.latent_length, options.latent_overlap) == (21, 4)
+
+
+# --- through the sampler -----------------------------------------------------------------------------------
+
+LONG = 33  # video frames: 9 latent frames, so a 17-frame window (5 latent) overlapping 8 (2) gives 3 windows
+SETTINGS = SamplerSettings(seed=7, steps=3, cfg=5.0, cfg_low_noise=4.0)
+
+
+def _long_inputs(task: str) -> VACEInputs:
+    generator = torch.Generator().manual_seed(9)
+    video = torch.rand(LONG, HEIGHT, WIDTH, 3, generator=generator)
+    fields = {}
+    if task in ("v2v", "inpaint"):
+        fields["control_video"] = video
+    if task == "inpaint":
+        masks = torch.zeros(LONG, HEIGHT, WIDTH)
+        masks[:, 8:32, 16:48] = 1.0
+        fields["control_masks"] = masks
+    if task == "r2v":
+        fields["reference_images"] = torch.rand(2, 32, 48, 3, generator=generator)
+    return VACEInputs(PROMPT, NEGATIVE, WIDTH, HEIGHT, LONG, **fields)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_folder):
+    return load_pipeline(tiny_folder, "fp32")
+
+
+@pytest.mark.parametrize("task", ["t2v", "r2v", "inpaint"])
+def test_a_window_over_the_whole_video_samples_bitwise_as_without_windows(model, task):
+    cond = prepare_conditioning(model, _long_inputs(task))
+    plain = sample(model, cond, SETTINGS).latents
+    for schedule in ("standard_static", "standard_uniform", "looped_uniform"):
+        options = ContextWindowOptions(context_length=LONG, context_overlap=8, schedule=schedule, freenoise=True)
+        assert torch.equal(sample(model, cond, SETTINGS, windows=options).latents, plain), schedule
+
+
+@pytest.mark.parametrize("task", ["r2v", "inpaint"])
+def test_each_window_gets_its_slice_of_the_vace_context_and_the_references(model, task):
+    cond = prepare_conditioning(model, _long_inputs(task))
+    references = cond.num_reference_images
+    options = ContextWindowOptions(context_length=17, context_overlap=8, freenoise=False)
+    seen = []
+    original = model.transformer.forward
+
+    def recording(*args, **kwargs):
+        seen.append({name: kwargs[name].clone() for name in ("hidden_states", "control_hidden_states")})
+        return original(*args, **kwargs)
+
+    model.transformer.forward = recording
+    try:
+        windowed = sample(
+            model,
+            cond,
+            SamplerSettings(seed=7, steps=1, cfg=1.0, cfg_low_noise=1.0, boundary_ratio=0.0),
+            windows=options,
+        ).latents
+    finally:
+        del model.transformer.forward
+    planned = plan_windows(options, cond.conditioning_latents.shape[2] - references, 0)
+    assert len(planned) == 3 and len(seen) == 3
+    full = cond.conditioning_latents
+    for window, inputs in zip(planned, seen, strict=True):
+        frames = [references + index for index in window.frames]
+        # The reference frames lead every window's VACE context, and the rest is the full context's slice (control
+        # latents, inactive and reactive, and the mask latents alike: one tensor, sliced in time).
+        assert torch.equal(inputs["control_hidden_states"][:, :, :references], full[:, :, :references])
+        assert torch.equal(inputs["control_hidden_states"][:, :, references:], full[:, :, frames])
+        assert inputs["hidden_states"].shape[2] == references + len(frames)
+    assert windowed.shape[2] == full.shape[2] - references
+
+
+def test_each_windows_prediction_is_the_forward_on_its_slice_alone(model):
+    cond = prepare_conditioning(model, _long_inputs("r2v"))
+    references = cond.num_reference_images
+    options = ContextWindowOptions(context_length=17, context_overlap=8)
+    frames = cond.conditioning_latents.shape[2]
+    latents = torch.randn(1, 16, frames, HEIGHT // 8, WIDTH // 8, generator=torch.Generator().manual_seed(1))
+    inputs = {
+        "hidden_states": latents,
+        "timestep": torch.tensor([500]),
+        "control_hidden_states": cond.conditioning_latents,
+        "control_hidden_states_scale": cond.conditioning_scale,
+        "return_dict": False,
+    }
+    guidance = Guidance()
+    returned = []
+
+    def predict(sliced):
+        returned.append(guidance.predict(model.transformer, 5.0, cond, sliced))
+        return returned[-1]
+
+    windows = plan_windows(options, frames - references, 0)
+    fused = windowed_prediction(predict, inputs, windows, references)
+    fused_by_hand = torch.zeros_like(fused)
+    for window, prediction in zip(windows, returned, strict=True):
+        # The window on its own: the references, then its frames, cut from the full inputs by plain slicing.
+        first, last = references + window.frames[0], references + window.frames[-1] + 1
+        alone = {
+            **inputs,
+            "hidden_states": torch.cat([latents[:, :, :references], latents[:, :, first:last]], dim=2),
+            "control_hidden_states": torch.cat(
+                [cond.conditioning_latents[:, :, :references], cond.conditioning_latents[:, :, first:last]], dim=2
+            ),
+        }
+        assert torch.equal(prediction, guidance.predict(model.transformer, 5.0, cond, alone))
+        fused_by_hand[:, :, first:last] += prediction[:, :, references:] * window.shares.view(1, 1, -1, 1, 1)
+        fused_by_hand[:, :, :references] += prediction[:, :, :references] / len(windows)
+    assert torch.allclose(fused, fused_by_hand, rtol=0, atol=1e-6)
+
+
+def test_windows_refuse_the_cache_for_now(model):
+    cond = prepare_conditioning(model, _long_inputs("t2v"))
+    with pytest.raises(WanVACEInputError, match=r"context windows do not run yet .* with the cache"):
+        sample(
+            model,
+            cond,
+            SETTINGS,
+            cache=CacheOptions(),
+            windows=ContextWindowOptions(context_length=17, context_overlap=8),
+        )
 
 
 if __name__ == "__main__":

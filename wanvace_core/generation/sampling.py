@@ -24,6 +24,7 @@ from ..runtime.plan import planned_run
 from ..validation import validate_finite, validate_integer
 from .conditioning import VACEConditioning
 from .guidance import BatchedGuidance, Guidance
+from .windows import ContextWindowOptions, check_windows, freenoise, plan_windows, windowed_prediction
 
 logger = logging.getLogger(__name__)
 
@@ -202,13 +203,20 @@ def sample(
     cache: CacheOptions | None = None,
     guidance: Guidance | None = None,
     batched_cfg: bool = False,
+    windows: ContextWindowOptions | None = None,
 ) -> SampleResult:
     """Denoises `cond` with the dual-expert loop; `cache` turns on Cache-DiT for this run only.
 
     `batched_cfg` runs each guided step's two passes as one call of batch 2 (`BatchedGuidance`; a CFG-parallel
     `guidance` splits them over devices instead). A model whose experts run in parallel workers (`model.remote`)
-    hands the whole run to them.
+    hands the whole run to them. `windows` denoises the video as overlapping context windows at every step
+    (`windows.py`); a video no longer than one window runs as without them, bit for bit.
     """
+    if windows is not None and (model.remote is not None or cache is not None):
+        raise WanVACEInputError(
+            "context windows do not run yet with the experts in parallel workers or with the cache; disconnect the "
+            "parallel input of the loader and the cache input of the sampler, or the context windows."
+        )
     if model.remote is not None:
         if model.loras:
             raise WanVACEInputError(
@@ -226,6 +234,11 @@ def sample(
     runs = _expert_runs(model, plan, timesteps, settings, guidance)
     cached = None if cache is None else CachedExperts(model, cache, runs)
     latents = initial_noise(model, cond, settings.seed)
+    references = cond.num_reference_images
+    if windows is not None:
+        check_windows(windows, latents.shape[2] - references, len(timesteps))
+        if windows.freenoise:
+            freenoise(latents[:, :, references:], windows, settings.seed)
     dtype = model.transformer_dtype
     no_hints = torch.zeros_like(cond.conditioning_scale)
     with planned_run(model, cached):
@@ -243,11 +256,19 @@ def sample(
                 "control_hidden_states_scale": cond.conditioning_scale if hints else no_hints,
                 "return_dict": False,
             }
-            noise_pred = guidance.predict(expert, scale, cond, common)
+            if windows is None:
+                noise_pred = guidance.predict(expert, scale, cond, common)
+            else:
+                noise_pred = windowed_prediction(
+                    lambda inputs, expert=expert, scale=scale: guidance.predict(expert, scale, cond, inputs),
+                    common,
+                    plan_windows(windows, latents.shape[2] - references, index),
+                    references,
+                )
             latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
             if callback is not None:
                 callback(index, len(timesteps), latents)
         report = cached.report() if cached is not None else None
     if report is not None:
         logger.info("%s", report.text())
-    return SampleResult(latents=latents[:, :, cond.num_reference_images :], cache_report=report)
+    return SampleResult(latents=latents[:, :, references:], cache_report=report)

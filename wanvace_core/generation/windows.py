@@ -12,12 +12,15 @@ oracle). Deliberate differences:
   where ComfyUI divides the weighted sum by the total at the end: so a window that covers the whole video gives back
   its prediction bit for bit (weight / total is exactly 1), which the windowless run must equal;
 - `overlap-linear` with `context_overlap` 0 ramps nothing (ComfyUI fails on it);
+- `looped_uniform` over a video exactly one window long is that one window, as the other schedules give; ComfyUI
+  rotates it by a step-dependent offset (the last frames first), which no longer equals the windowless run;
 - settings that would leave a frame in no window are refused up front.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -157,7 +160,7 @@ def _standard_static(options: ContextWindowOptions, frames: int) -> list[list[in
 def window_frames(options: ContextWindowOptions, frames: int, step: int) -> list[list[int]]:
     """The latent frame indices of each window at sampling step `step` (0 first), for a video of `frames` latent
     frames. A video no longer than one window is one window."""
-    if frames < options.latent_length or (frames == options.latent_length and options.schedule != "looped_uniform"):
+    if frames <= options.latent_length:
         return [list(range(frames))]
     if options.schedule == "standard_static":
         windows = _standard_static(options, frames)
@@ -238,3 +241,40 @@ def freenoise(noise: torch.Tensor, options: ContextWindowOptions, seed: int, dim
         sources = torch.randperm(count, generator=generator) + start
         noise.narrow(dim, target, count).copy_(noise.index_select(dim, sources.to(noise.device)))
     return noise
+
+
+# The expert inputs with a time axis (dim 2 of [batch, channels, time, height, width]); the timestep and the
+# per-layer VACE scale have none.
+_TEMPORAL_INPUTS = ("hidden_states", "control_hidden_states")
+
+
+def windowed_prediction(
+    predict: Callable[[dict], torch.Tensor], inputs: dict, windows: list[ContextWindow], references: int
+) -> torch.Tensor:
+    """One step's prediction from context windows: `predict` (the step's guided expert call) runs on each window's
+    slice of `inputs` (the latents and the VACE context alike, with the `references` reference frames in front of
+    every window, as the whole video has them), and each video frame's prediction is the sum of the windows'
+    predictions times their shares. The reference frames, which every window holds, take the windows' mean.
+
+    Accumulated in fp32 and returned in the prediction's dtype; a single window of shares 1 returns its
+    prediction bit for bit."""
+    hidden = inputs["hidden_states"]
+    device = hidden.device
+    leading = torch.arange(references, device=device)
+    fused, dtype = None, None
+    for window in windows:
+        frames = torch.tensor(window.frames, device=device) + references
+        keep = torch.cat([leading, frames])
+        sliced = {
+            name: value.index_select(2, keep) if name in _TEMPORAL_INPUTS and value is not None else value
+            for name, value in inputs.items()
+        }
+        prediction = predict(sliced)
+        if fused is None:
+            fused = torch.zeros(prediction.shape[:2] + hidden.shape[2:], dtype=torch.float32, device=device)
+            dtype = prediction.dtype
+        shares = window.shares.to(device).view(1, 1, -1, 1, 1)
+        fused.index_add_(2, frames, prediction[:, :, references:].float() * shares)
+        if references:
+            fused[:, :, :references] += prediction[:, :, :references].float() / len(windows)
+    return fused.to(dtype)
