@@ -12,6 +12,7 @@ from .lora import WanVACELoraLoader
 from .offload import WanVACEOffloadOptions
 from .parallel import WanVACEParallelOptions
 from .sampler import WanVACESampler
+from .windows import WanVACEContextWindows
 
 
 class WanVACEExtension(ComfyExtension):
@@ -30,6 +31,7 @@ class WanVACEExtension(ComfyExtension):
             WanVACESampler,
             WanVACEDecode,
             WanVACECacheOptions,
+            WanVACEContextWindows,
             WanVACEOffloadOptions,
             WanVACEParallelOptions,
         ]

@@ -17,7 +17,7 @@ from ..wanvace_core.generation.sampling import validate_scheduler
 from ..wanvace_core.validation import nan_refusing_min
 from .memory import set_working_memory
 from .preview import step_previewer
-from .types import CATEGORY, WanVACECacheType, WanVACEConditioningType, WanVACEModelType
+from .types import CATEGORY, WanVACECacheType, WanVACEConditioningType, WanVACEContextWindowsType, WanVACEModelType
 
 MODEL_DEFAULT = -1.0
 logger = logging.getLogger(__name__)
@@ -102,6 +102,12 @@ class WanVACESampler(io.ComfyNode):
                     "differ from separate passes only by float rounding. auto: batch when ComfyUI reports the free "
                     "memory for it (the log says which ran and why). off: separate passes, as before.",
                 ),
+                WanVACEContextWindowsType.Input(
+                    "context_windows",
+                    optional=True,
+                    tooltip="Overlapping context windows from WanVACE Context Windows, for videos longer than one "
+                    "window; unconnected = the whole video at once.",
+                ),
             ],
             outputs=[io.Latent.Output(display_name="latent", tooltip="The denoised video latent.")],
         )
@@ -133,6 +139,7 @@ class WanVACESampler(io.ComfyNode):
         scheduler: str,
         cache=None,
         batched_cfg: str = "off",
+        context_windows=None,
     ) -> io.NodeOutput:
         settings = SamplerSettings(
             seed=seed,
@@ -151,12 +158,23 @@ class WanVACESampler(io.ComfyNode):
 
         comfy.model_management.throw_exception_if_processing_interrupted()
         frames = conditioning.conditioning_latents.shape[2]
+        if context_windows is not None:  # one window (and the reference frames every window holds) at a time
+            frames = min(frames, conditioning.num_reference_images + context_windows.latent_length)
         activation = sampling_activation_bytes(model, frames, conditioning.height, conditioning.width)
         free = comfy.model_management.get_free_memory(model.device)
         batched, reason = batched_cfg_decision(model, batched_cfg, activation, free)
         logger.info("WanVACE CFG: %s (%s)", "batched, one call of batch 2" if batched else "separate passes", reason)
         set_working_memory(model, 2 * activation if batched else activation)
-        result = sample(model, conditioning, settings, callback=on_step, cache=cache, batched_cfg=batched)
+        result = sample(
+            model,
+            conditioning,
+            settings,
+            callback=on_step,
+            cache=cache,
+            batched_cfg=batched,
+            windows=context_windows,
+            between_windows=comfy.model_management.throw_exception_if_processing_interrupted,
+        )
         latent = {"samples": to_vae_space(model, result.latents).cpu()}
         if result.cache_report is None:
             return io.NodeOutput(latent)

@@ -5,6 +5,7 @@ from comfy_api.latest import io
 WanVACEModelType = io.Custom("WANVACE_MODEL")
 WanVACEConditioningType = io.Custom("WANVACE_COND")
 WanVACECacheType = io.Custom("WANVACE_CACHE")
+WanVACEContextWindowsType = io.Custom("WANVACE_CONTEXT_WINDOWS")
 WanVACEOffloadType = io.Custom("WANVACE_OFFLOAD")
 WanVACEParallelType = io.Custom("WANVACE_PARALLEL")
 

@@ -19,6 +19,7 @@ from .generation.conditioning import (
 from .generation.decoding import decode, to_vae_space
 from .generation.sampling import SCHEDULERS, SampleResult, SamplerSettings, sample
 from .generation.tiling import VAETiling
+from .generation.windows import FUSE_METHODS, SCHEDULES, ContextWindowOptions
 from .load.folder import find_pipeline_folders, inspect_pipeline_folder
 from .load.pipeline_folder import DTYPES
 from .load.single_file import WEIGHT_DTYPES, ExpertFiles, inspect_expert_files
@@ -35,11 +36,14 @@ __all__ = [
     "CACHE_MODES",
     "DEFAULT_ATTENTION",
     "DTYPES",
+    "FUSE_METHODS",
     "OFFLOAD_MODES",
     "SCHEDULERS",
+    "SCHEDULES",
     "WEIGHT_DTYPES",
     "CacheOptions",
     "CacheReport",
+    "ContextWindowOptions",
     "DeviceMemoryBroker",
     "ExpertCacheLimits",
     "ExpertFiles",

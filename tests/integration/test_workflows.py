@@ -278,6 +278,7 @@ def test_every_node_and_input_is_described(comfy_server):
         "WanVACESampler",
         "WanVACEDecode",
         "WanVACECacheOptions",
+        "WanVACEContextWindows",
         "WanVACEOffloadOptions",
         "WanVACEParallelOptions",
         "WanVACELoraLoader",

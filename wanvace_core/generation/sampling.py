@@ -204,13 +204,15 @@ def sample(
     guidance: Guidance | None = None,
     batched_cfg: bool = False,
     windows: ContextWindowOptions | None = None,
+    between_windows: Callable[[], None] | None = None,
 ) -> SampleResult:
     """Denoises `cond` with the dual-expert loop; `cache` turns on Cache-DiT for this run only.
 
     `batched_cfg` runs each guided step's two passes as one call of batch 2 (`BatchedGuidance`; a CFG-parallel
     `guidance` splits them over devices instead). A model whose experts run in parallel workers (`model.remote`)
     hands the whole run to them. `windows` denoises the video as overlapping context windows at every step
-    (`windows.py`); a video no longer than one window runs as without them, bit for bit.
+    (`windows.py`); a video no longer than one window runs as without them, bit for bit. `between_windows` runs
+    before each window (raising stops the run).
     """
     if windows is not None and (model.remote is not None or cache is not None):
         raise WanVACEInputError(
@@ -264,6 +266,7 @@ def sample(
                     common,
                     plan_windows(windows, latents.shape[2] - references, index),
                     references,
+                    between_windows,
                 )
             latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
             if callback is not None:

@@ -249,12 +249,17 @@ _TEMPORAL_INPUTS = ("hidden_states", "control_hidden_states")
 
 
 def windowed_prediction(
-    predict: Callable[[dict], torch.Tensor], inputs: dict, windows: list[ContextWindow], references: int
+    predict: Callable[[dict], torch.Tensor],
+    inputs: dict,
+    windows: list[ContextWindow],
+    references: int,
+    before_each: Callable[[], None] | None = None,
 ) -> torch.Tensor:
     """One step's prediction from context windows: `predict` (the step's guided expert call) runs on each window's
     slice of `inputs` (the latents and the VACE context alike, with the `references` reference frames in front of
     every window, as the whole video has them), and each video frame's prediction is the sum of the windows'
     predictions times their shares. The reference frames, which every window holds, take the windows' mean.
+    `before_each` runs before every window (ComfyUI's cancel check: a cancel stops between windows).
 
     Accumulated in fp32 and returned in the prediction's dtype; a single window of shares 1 returns its
     prediction bit for bit."""
@@ -263,6 +268,8 @@ def windowed_prediction(
     leading = torch.arange(references, device=device)
     fused, dtype = None, None
     for window in windows:
+        if before_each is not None:
+            before_each()
         frames = torch.tensor(window.frames, device=device) + references
         keep = torch.cat([leading, frames])
         sliced = {

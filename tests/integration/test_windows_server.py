@@ -1,0 +1,95 @@
+"""Context windows through a real ComfyUI: a window over the whole video is the windowless prompt bit for bit, a
+longer video runs as windows and equals the same windowed run alone, bad settings are refused at queue time."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from workflow_graphs import TINY_MODEL, for_tiny_model, nodes_of_type
+
+from wanvace_core import (
+    ContextWindowOptions,
+    SamplerSettings,
+    VACEInputs,
+    load_pipeline,
+    prepare_conditioning,
+    sample,
+    to_vae_space,
+)
+
+pytestmark = pytest.mark.integration
+
+API_DIR = Path(__file__).resolve().parents[1] / "api_workflows"
+LONG = 33  # video frames: 9 latent frames
+WINDOWS = {
+    "context_length": 17,
+    "context_overlap": 8,
+    "schedule": "standard_uniform",
+    "context_stride": 1,
+    "closed_loop": False,
+    "fuse_method": "pyramid",
+    "freenoise": True,
+}
+
+
+def _workflow(seed: int, prefix: str, windows: dict | None, length: int = LONG) -> dict:
+    workflow = for_tiny_model(json.loads((API_DIR / "wanvace_t2v.json").read_text()))
+    ids = {node["class_type"]: key for key, node in workflow.items()}
+    workflow[ids["WanVACEConditioning"]]["inputs"]["length"] = length
+    sampler = workflow[ids["WanVACESampler"]]["inputs"]
+    sampler.update(seed=seed, steps=4)
+    if windows is not None:
+        workflow["710"] = {"class_type": "WanVACEContextWindows", "inputs": dict(windows)}
+        sampler["context_windows"] = ["710", 0]
+    for class_type in ("WanVACEDecode", "CreateVideo", "SaveVideo"):
+        del workflow[ids[class_type]]
+    workflow["900"] = {
+        "class_type": "SaveLatent",
+        "inputs": {"samples": [ids["WanVACESampler"], 0], "filename_prefix": prefix},
+    }
+    return workflow
+
+
+def _latent(comfy_server, workflow: dict) -> torch.Tensor:
+    result = comfy_server.run_prompt(workflow)
+    assert result.status == "success", (result.status, result.error)
+    (latent_file,) = [path for path in result.output_files() if path.suffix == ".latent"]
+    return load_file(str(latent_file))["latent_tensor"]
+
+
+def test_a_window_over_the_whole_video_is_the_windowless_prompt_bitwise(comfy_server):
+    plain = _latent(comfy_server, _workflow(61, "windows/plain", None))
+    whole = _latent(comfy_server, _workflow(61, "windows/whole", {**WINDOWS, "context_length": LONG}))
+    assert torch.equal(whole, plain)
+
+
+def test_a_longer_video_runs_as_windows_and_equals_the_windowed_run_alone(comfy_server, comfy_base):
+    workflow = _workflow(62, "windows/long", WINDOWS)
+    served = _latent(comfy_server, workflow)
+    model = load_pipeline(comfy_base / "models" / "diffusers" / TINY_MODEL, "bf16")
+    inputs = nodes_of_type(workflow, "WanVACEConditioning")[0]["inputs"]
+    cond = prepare_conditioning(
+        model, VACEInputs(inputs["positive"], inputs["negative"], inputs["width"], inputs["height"], inputs["length"])
+    )
+    settings = SamplerSettings(seed=62, steps=4, cfg=5.0, cfg_low_noise=5.0)
+    alone = to_vae_space(model, sample(model, cond, settings, windows=ContextWindowOptions(**WINDOWS)).latents)
+    assert torch.equal(served, alone)
+    assert not torch.equal(alone, to_vae_space(model, sample(model, cond, settings).latents))
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "fragment"),
+    [
+        ("context_length", 19, "context_length=19 must be 4n+1"),
+        ("context_overlap", 6, "context_overlap=6 must be a multiple of 4"),
+        ("context_overlap", 16, "context_overlap=16 must be less than context_length - 1"),
+    ],
+)
+def test_bad_window_settings_are_refused_at_queue_time_naming_the_input(comfy_server, field, value, fragment):
+    result = comfy_server.run_prompt(_workflow(63, "windows/bad", {**WINDOWS, field: value}))
+    assert result.status == "rejected"
+    assert fragment in json.dumps(result.node_errors["710"])
