@@ -21,6 +21,7 @@ import torch
 from tests.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH
 from wanvace_core import (
     CacheOptions,
+    ContextWindowOptions,
     ExpertCacheLimits,
     SamplerSettings,
     VACEInputs,
@@ -86,6 +87,15 @@ def test_cfg_parallel_equals_one_process_bitwise_with_and_without_cache(referenc
         assert got.cache_report == expected.cache_report
     report = got.cache_report
     assert all(expert.cached_steps and expert.cfg_cached_steps for expert in report.experts), report
+
+
+def test_context_windows_run_in_the_workers_and_equal_one_process_bitwise(reference, cfg_parallel_model):
+    model, cond = reference
+    # LENGTH frames are 3 latent frames: 5-frame windows (2 latent) without overlap give 2 windows.
+    windows = ContextWindowOptions(context_length=5, context_overlap=0, schedule="standard_static")
+    expected = sample(model, cond, SETTINGS, windows=windows).latents
+    assert not torch.equal(expected, sample(model, cond, SETTINGS).latents)
+    assert torch.equal(sample(cfg_parallel_model, cond, SETTINGS, windows=windows).latents, expected)
 
 
 def test_consecutive_prompts_and_a_cancel_keep_the_same_workers_and_result(reference, cfg_parallel_model):

@@ -353,7 +353,7 @@ def test_each_windows_prediction_is_the_forward_on_its_slice_alone(model):
 
 def test_windows_refuse_the_cache_for_now(model):
     cond = prepare_conditioning(model, _long_inputs("t2v"))
-    with pytest.raises(WanVACEInputError, match=r"context windows do not run yet .* with the cache"):
+    with pytest.raises(WanVACEInputError, match="context windows do not run yet with the cache"):
         sample(
             model,
             cond,

@@ -34,6 +34,7 @@ from .errors import WanVACEError
 from .generation.conditioning import VACEConditioning
 from .generation.guidance import BatchedGuidance, ParallelGuidance
 from .generation.sampling import SamplerSettings, sample
+from .generation.windows import ContextWindowOptions
 from .load.loaded import LoadedPipeline
 from .load.pipeline_folder import read_experts
 from .load.single_file import expert_files_from, load_experts_only
@@ -198,6 +199,7 @@ class Rank:
         cond = VACEConditioning(**messages.on_device(request["cond"], self.device))
         settings = SamplerSettings(**request["settings"])
         cache = None if request["cache"] is None else CacheOptions.from_plain(request["cache"])
+        windows = None if request.get("windows") is None else ContextWindowOptions(**request["windows"])
         steps = [0]
 
         def callback(index: int, total: int, latents: torch.Tensor) -> None:
@@ -217,7 +219,9 @@ class Rank:
         try:
             # CFG parallel already gives each pass its own devices; batching applies where it does not.
             guidance = loaded.guidance or (BatchedGuidance() if request["batched_cfg"] else None)
-            result = sample(loaded.model, cond, settings, callback=callback, cache=cache, guidance=guidance)
+            result = sample(
+                loaded.model, cond, settings, callback=callback, cache=cache, guidance=guidance, windows=windows
+            )
         finally:
             self.decided_steps = steps[0]  # rank 0 deletes the decisions once every rank has answered
         report = None if result.cache_report is None else messages.plain(result.cache_report)

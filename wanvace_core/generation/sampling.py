@@ -160,9 +160,12 @@ def initial_noise(model: WanVACEModel, cond: VACEConditioning, seed: int) -> tor
     return randn_tensor(shape, generator=generator, device=model.device, dtype=torch.float32)
 
 
-def sequence_length(model: WanVACEModel, cond: VACEConditioning) -> int:
-    """Tokens the experts see per call: latent frames x latent height and width over the patch size."""
+def sequence_length(model: WanVACEModel, cond: VACEConditioning, windows: ContextWindowOptions | None = None) -> int:
+    """Tokens the experts see per call: latent frames (with `windows`, one window's and the reference frames) x
+    latent height and width over the patch size."""
     _, frames, height, width = initial_noise_shape(model, cond)[1:]
+    if windows is not None:
+        frames = min(frames, cond.num_reference_images + windows.latent_length)
     p_t, p_h, p_w = model.reference_expert.config.patch_size
     return (frames // p_t) * (height // p_h) * (width // p_w)
 
@@ -214,10 +217,10 @@ def sample(
     (`windows.py`); a video no longer than one window runs as without them, bit for bit. `between_windows` runs
     before each window (raising stops the run).
     """
-    if windows is not None and (model.remote is not None or cache is not None):
+    if windows is not None and cache is not None:
         raise WanVACEInputError(
-            "context windows do not run yet with the experts in parallel workers or with the cache; disconnect the "
-            "parallel input of the loader and the cache input of the sampler, or the context windows."
+            "context windows do not run yet with the cache; disconnect the cache input of the sampler, or the "
+            "context windows."
         )
     if model.remote is not None:
         if model.loras:
@@ -226,7 +229,13 @@ def sample(
                 "loader, or the WanVACE LoRA Loader."
             )
         latents, report = model.remote.sample(
-            cond, settings, callback, cache, tokens=sequence_length(model, cond), batched_cfg=batched_cfg
+            cond,
+            settings,
+            callback,
+            cache,
+            tokens=sequence_length(model, cond, windows),
+            batched_cfg=batched_cfg,
+            windows=windows,
         )
         return SampleResult(latents=latents, cache_report=None if report is None else CacheReport.from_plain(report))
     guidance = guidance or (BatchedGuidance() if batched_cfg else Guidance())
