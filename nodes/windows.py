@@ -76,7 +76,11 @@ class WanVACEContextWindows(io.ComfyNode):
                     "so overlapping windows start from related noise (smoother blends).",
                 ),
             ],
-            outputs=[WanVACEContextWindowsType.Output(display_name="context_windows")],
+            outputs=[
+                WanVACEContextWindowsType.Output(
+                    display_name="context_windows", tooltip="For WanVACE Sampler's context_windows input."
+                )
+            ],
         )
 
     @classmethod

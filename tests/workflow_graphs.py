@@ -15,6 +15,17 @@ TINY_MODEL = "wanvace-tiny"
 WIDTH, HEIGHT, LENGTH, STEPS = 832, 480, 81, 20
 OUTPAINT_INNER_WIDTH, OUTPAINT_PAD = 576, 128
 EXTENSION_GIVEN_FRAMES = 17
+# The long-video variants: 241 frames (15 s at 16 fps) as 81-frame context windows overlapping 16 frames.
+LONG_LENGTH = 241
+CONTEXT_WINDOWS = {
+    "context_length": 81,
+    "context_overlap": 16,
+    "schedule": "standard_uniform",
+    "context_stride": 1,
+    "closed_loop": False,
+    "fuse_method": "pyramid",
+    "freenoise": True,
+}
 GREY, WHITE = 0x808080, 0xFFFFFF
 NEGATIVE = "blurry, low quality, static, overexposed, jpeg artifacts, deformed, extra fingers, watermark, subtitles"
 
@@ -34,7 +45,9 @@ CACHE_VARIANT = "_cache"
 FP8_VARIANT, GGUF_VARIANT = "_fp8", "_gguf"
 # Variants that sample through WanVACE LoRA Loader: a 4-step distillation LoRA, a style LoRA.
 LIGHTNING_VARIANT, STYLE_LORA_VARIANT = "_lightning", "_style_lora"
-VARIANTS = (CACHE_VARIANT, FP8_VARIANT, GGUF_VARIANT, LIGHTNING_VARIANT, STYLE_LORA_VARIANT)
+# Variants longer than one window, through WanVACE Context Windows.
+LONG_VARIANT = "_long"
+VARIANTS = (CACHE_VARIANT, FP8_VARIANT, GGUF_VARIANT, LIGHTNING_VARIANT, STYLE_LORA_VARIANT, LONG_VARIANT)
 # Every shipped workflow: one per task, plus variants with the Cache-DiT node, the single-file loader and LoRAs.
 WORKFLOWS = (
     *TASKS,
@@ -43,6 +56,8 @@ WORKFLOWS = (
     "t2v" + GGUF_VARIANT,
     "t2v" + LIGHTNING_VARIANT,
     "v2v" + STYLE_LORA_VARIANT,
+    "v2v" + LONG_VARIANT,
+    "extension" + LONG_VARIANT,
 )
 # The files each single-file variant names (Comfy-Org's repackaged fp8 experts, umt5 and VAE; city96-style
 # GGUF experts as QuantStack publishes them). The integration suite writes tiny files under these names.
@@ -127,6 +142,8 @@ WORKFLOW_TITLES = {
     "t2v" + GGUF_VARIANT: "WanVACE - Text to Video (GGUF, low VRAM)",
     "t2v" + LIGHTNING_VARIANT: "WanVACE - Text to Video (Lightning 4-step LoRA)",
     "v2v" + STYLE_LORA_VARIANT: "WanVACE - Control Video with a style LoRA",
+    "v2v" + LONG_VARIANT: "WanVACE - Long Control Video (context windows)",
+    "extension" + LONG_VARIANT: "WanVACE - Long Extension (context windows)",
 }
 # The example input files each workflow names (shipped in example_inputs/).
 EXAMPLE_INPUTS = {
@@ -146,6 +163,7 @@ GROUP_COLORS = {
     "inputs": "#8A8",
     "masks": "#8AA",
     "cache": "#3f789e",
+    "windows": "#3f789e",
     "lora": "#3f789e",
     "prompt": "#b58b2a",
     "sampling": "#88A",
@@ -157,7 +175,9 @@ _TINY_VALUES = {
     "model_name": {REAL_MODEL: TINY_MODEL},
     "width": {WIDTH: 64, OUTPAINT_INNER_WIDTH: 32},
     "height": {HEIGHT: 48},
-    "length": {LENGTH: 9, EXTENSION_GIVEN_FRAMES: 5},
+    "length": {LENGTH: 9, EXTENSION_GIVEN_FRAMES: 5, LONG_LENGTH: 33},
+    "context_length": {CONTEXT_WINDOWS["context_length"]: 17},
+    "context_overlap": {CONTEXT_WINDOWS["context_overlap"]: 8},
     "batch_size": {LENGTH - 2: 7},
     "steps": {STEPS: 4},
     "left": {OUTPAINT_PAD: 16},
@@ -286,6 +306,14 @@ def _note(name: str) -> str:
         lines += ["", "**Smaller GPU:** connect **WanVACE Offload Options** to the loader's `offload` input."]
     if name.endswith(CACHE_VARIANT):
         lines += ["", "**WanVACE Cache Options** skips steps with Cache-DiT: faster, slightly different."]
+    if name.endswith(LONG_VARIANT):
+        lines += [
+            "",
+            f"**Long video:** {LONG_LENGTH} frames as {CONTEXT_WINDOWS['context_length']}-frame context windows "
+            f"overlapping {CONTEXT_WINDOWS['context_overlap']} (**WanVACE Context Windows**): memory follows the "
+            "window, and each window gets its part of the control video and masks. Set the length in **WanVACE "
+            "Conditioning**; the example clip is short, so use one of at least that many frames.",
+        ]
     if variant_of(name) == LIGHTNING_VARIANT:
         high, low = (lora.lora_name for lora in LORA_FILES[LIGHTNING_VARIANT])
         lines += [
@@ -303,7 +331,8 @@ def _note(name: str) -> str:
             f"`{style.lora_name}` in **WanVACE LoRA Loader**; set its strength per expert (a Wan2.2 LoRA made of a "
             "high-noise and a low-noise file takes two chained loaders, each with 0 on the other expert).",
         ]
-    lines += ["", f"Output: `output/WanVACE/{name}_*.mp4`, {WIDTH}x{HEIGHT}, {LENGTH} frames at 16 fps."]
+    length = LONG_LENGTH if name.endswith(LONG_VARIANT) else LENGTH
+    lines += ["", f"Output: `output/WanVACE/{name}_*.mp4`, {WIDTH}x{HEIGHT}, {length} frames at 16 fps."]
     return "\n".join(lines)
 
 
@@ -326,6 +355,7 @@ def _build(name: str) -> _Graph:
     if name not in WORKFLOWS:
         raise KeyError(f"unknown workflow {name!r}; one of {', '.join(WORKFLOWS)}")
     task = task_of(name)
+    length = LONG_LENGTH if name.endswith(LONG_VARIANT) else LENGTH
     graph = _Graph()
     files = SINGLE_FILES.get(variant_of(name))
     if files is None:
@@ -386,7 +416,9 @@ def _build(name: str) -> _Graph:
             graph.add("ImageBatch", "both references", image1=_out(first), image2=_out(second), at=("inputs", 2))
         )
     elif task == "v2v":
-        optional["control_video"] = _out(_video_frames(graph, EXAMPLE_INPUTS["control"], "control video"))
+        optional["control_video"] = _out(
+            _video_frames(graph, EXAMPLE_INPUTS["control"], "control video", frames=length)
+        )
     elif task == "inpaint":
         optional["control_video"] = _out(_video_frames(graph, EXAMPLE_INPUTS["source"], "source video"))
         mask = graph.add(
@@ -433,7 +465,7 @@ def _build(name: str) -> _Graph:
         negative=NEGATIVE,
         width=WIDTH,
         height=HEIGHT,
-        length=LENGTH,
+        length=length,
         strength=1.0,
         vace_start_percent=0.0,
         vace_end_percent=1.0,
@@ -457,6 +489,9 @@ def _build(name: str) -> _Graph:
             at=("cache", 0),
         )
         cache["cache"] = _out(cache_options)
+    if name.endswith(LONG_VARIANT):
+        windows = graph.add("WanVACEContextWindows", **CONTEXT_WINDOWS, at=("windows", 0))
+        cache["context_windows"] = _out(windows)
     # The LoRAs change only the sampling: conditioning and decoding use the loader's model directly.
     sampling_model = loader
     for column, lora in enumerate(LORA_FILES.get(variant_of(name), ())):
@@ -503,6 +538,8 @@ def _build(name: str) -> _Graph:
     layout.groups["model"] = "Model"
     if name.endswith(CACHE_VARIANT):
         layout.groups["cache"] = "Step caching (Cache-DiT)"
+    if name.endswith(LONG_VARIANT):
+        layout.groups["windows"] = "Context windows (long video)"
     if variant_of(name) in LORA_FILES:
         layout.groups["lora"] = "LoRAs (sampling only)"
     if task in _INPUT_GROUP_TITLES:
@@ -515,7 +552,7 @@ def _build(name: str) -> _Graph:
     # The note and the model top left; the inputs top right of them with the output beside (the
     # Run button is above it), prompt and sampling below. The bottom right corner stays empty: both
     # frontends draw their minimap there.
-    left = [["note"], ["model"], *([[key] for key in ("lora", "cache", "masks") if key in layout.groups])]
+    left = [["note"], ["model"], *([[key] for key in ("lora", "cache", "windows", "masks") if key in layout.groups])]
     if task == "t2v":
         layout.page = [left, [["prompt", "sampling", "output"]]]
     else:

@@ -12,12 +12,21 @@ import requests
 import torch
 from comfy_server import count_video_frames
 from safetensors.torch import load_file
-from workflow_graphs import TINY_MODEL, WORKFLOWS, for_tiny_model, loader_class, node_id_of, nodes_of_type
+from workflow_graphs import (
+    LONG_VARIANT,
+    TINY_MODEL,
+    WORKFLOWS,
+    for_tiny_model,
+    loader_class,
+    node_id_of,
+    nodes_of_type,
+)
 
 pytestmark = pytest.mark.integration
 
 API_DIR = Path(__file__).resolve().parents[1] / "api_workflows"
 TINY_LENGTH, TINY_STEPS = 9, 4
+LONG_TINY_LENGTH = 33  # the long variants' 241 frames, on the tiny model: three 17-frame windows
 
 
 def _api_twin(task: str) -> dict:
@@ -60,7 +69,9 @@ def test_shipped_workflow_runs_and_writes_a_video(task, comfy_server):
 
     videos = [p for p in result.output_files() if p.suffix == ".mp4"]
     assert len(videos) == 1 and videos[0].stat().st_size > 0
-    assert count_video_frames(videos[0]) == TINY_LENGTH
+    conditioning = nodes_of_type(workflow, "WanVACEConditioning")[0]["inputs"]
+    assert count_video_frames(videos[0]) == conditioning["length"]
+    assert conditioning["length"] == (LONG_TINY_LENGTH if task.endswith(LONG_VARIANT) else TINY_LENGTH)
 
     sampler = node_id_of(workflow, "WanVACESampler")
     progress = [event for event in result.progress_events() if event.get("node") == sampler]
