@@ -105,6 +105,7 @@ def _comfy_answers(cases: list[dict], out_file: str) -> None:
 from tests.vace_tasks import HEIGHT, NEGATIVE, PROMPT, WIDTH  # noqa: E402
 from wanvace_core import (  # noqa: E402
     CacheOptions,
+    OffloadOptions,
     SamplerSettings,
     VACEInputs,
     WanVACEInputError,
@@ -349,6 +350,34 @@ def test_each_windows_prediction_is_the_forward_on_its_slice_alone(model):
         fused_by_hand[:, :, first:last] += prediction[:, :, references:] * window.shares.view(1, 1, -1, 1, 1)
         fused_by_hand[:, :, :references] += prediction[:, :, :references] / len(windows)
     assert torch.allclose(fused, fused_by_hand, rtol=0, atol=1e-6)
+
+
+def test_windows_under_layerwise_offload_equal_them_on_the_device_bitwise(model, tiny_folder):
+    cond = prepare_conditioning(model, _long_inputs("inpaint"))
+    options = ContextWindowOptions(context_length=17, context_overlap=8)
+    expected = sample(model, cond, SETTINGS, windows=options).latents
+    offloaded = load_pipeline(tiny_folder, "fp32", offload=OffloadOptions(mode="layerwise"))
+    assert torch.equal(sample(offloaded, cond, SETTINGS, windows=options).latents, expected)
+
+
+def test_a_cancel_stops_between_windows_and_the_next_run_is_unchanged(model):
+    cond = prepare_conditioning(model, _long_inputs("t2v"))
+    options = ContextWindowOptions(context_length=17, context_overlap=8)
+    expected = sample(model, cond, SETTINGS, windows=options).latents
+    windows_started = []
+
+    class Cancelled(Exception):
+        pass
+
+    def cancel_at_the_second_window():
+        windows_started.append(None)
+        if len(windows_started) == 2:
+            raise Cancelled
+
+    with pytest.raises(Cancelled):
+        sample(model, cond, SETTINGS, windows=options, between_windows=cancel_at_the_second_window)
+    assert len(windows_started) == 2
+    assert torch.equal(sample(model, cond, SETTINGS, windows=options).latents, expected)
 
 
 def test_windows_refuse_the_cache_for_now(model):
