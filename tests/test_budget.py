@@ -87,6 +87,7 @@ def test_estimate_is_near_the_measured_peak(case, measured):
 
 
 @pytest.mark.slow
+@pytest.mark.one_set
 @pytest.mark.parametrize("direction", ["decode", "encode"])
 def test_tiled_cases_ran_tiled(direction, measured):
     """A tiled case that silently ran untiled would measure the untiled peak against the tiled estimate."""
