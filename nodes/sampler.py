@@ -14,6 +14,7 @@ from ..wanvace_core.generation.budget import (
     sampling_activation_bytes,
 )
 from ..wanvace_core.generation.sampling import validate_scheduler
+from ..wanvace_core.generation.windows import frames_per_call
 from ..wanvace_core.validation import nan_refusing_min
 from .memory import set_working_memory
 from .preview import step_previewer
@@ -157,9 +158,9 @@ class WanVACESampler(io.ComfyNode):
             comfy.model_management.throw_exception_if_processing_interrupted()
 
         comfy.model_management.throw_exception_if_processing_interrupted()
-        frames = conditioning.conditioning_latents.shape[2]
-        if context_windows is not None:  # one window (and the reference frames every window holds) at a time
-            frames = min(frames, conditioning.num_reference_images + context_windows.latent_length)
+        frames = frames_per_call(
+            context_windows, conditioning.conditioning_latents.shape[2], conditioning.num_reference_images
+        )
         activation = sampling_activation_bytes(model, frames, conditioning.height, conditioning.width)
         free = comfy.model_management.get_free_memory(model.device)
         batched, reason = batched_cfg_decision(model, batched_cfg, activation, free)

@@ -46,9 +46,6 @@ class ModuleHooks:
         while self._handles:
             self._handles.pop().remove()
 
-    def __len__(self) -> int:
-        return len(self._handles)
-
 
 def instance_forward(module: torch.nn.Module) -> Callable | None:
     """The forward installed on this instance (bound), or None where the class's own forward runs."""

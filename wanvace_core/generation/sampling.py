@@ -24,7 +24,14 @@ from ..runtime.plan import planned_run
 from ..validation import validate_finite, validate_integer
 from .conditioning import VACEConditioning
 from .guidance import BatchedGuidance, Guidance
-from .windows import ContextWindowOptions, check_windows, freenoise, plan_windows, windowed_prediction
+from .windows import (
+    ContextWindowOptions,
+    check_windows,
+    frames_per_call,
+    freenoise,
+    plan_windows,
+    windowed_prediction,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -164,8 +171,7 @@ def sequence_length(model: WanVACEModel, cond: VACEConditioning, windows: Contex
     """Tokens the experts see per call: latent frames (with `windows`, one window's and the reference frames) x
     latent height and width over the patch size."""
     _, frames, height, width = initial_noise_shape(model, cond)[1:]
-    if windows is not None:
-        frames = min(frames, cond.num_reference_images + windows.latent_length)
+    frames = frames_per_call(windows, frames, cond.num_reference_images)
     p_t, p_h, p_w = model.reference_expert.config.patch_size
     return (frames // p_t) * (height // p_h) * (width // p_w)
 

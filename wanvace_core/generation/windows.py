@@ -85,6 +85,12 @@ class ContextWindowOptions:
         return self.context_overlap // VAE_FRAMES_PER_LATENT
 
 
+def frames_per_call(windows: ContextWindowOptions | None, latent_frames: int, references: int) -> int:
+    """Latent frames one expert call sees: the whole video, or with `windows` one window and the reference frames
+    in front of it (what the activation estimate and the Ulysses split are sized by)."""
+    return latent_frames if windows is None else min(latent_frames, references + windows.latent_length)
+
+
 def _van_der_corput(step: int) -> float:
     """`step`'s 64 bits mirrored, as a fraction of 2**64: 0, 1/2, 1/4, 3/4, 1/8, ... for steps 0, 1, 2, 3, 4, ...
     The uniform schedules start their windows at this fraction of the video, so successive steps put the window
