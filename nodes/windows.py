@@ -47,7 +47,8 @@ class WanVACEContextWindows(io.ComfyNode):
                     default=_DEFAULTS.schedule,
                     tooltip="standard_static: the same windows every step. standard_uniform: windows move every step "
                     "so seams fall in different places, none wraps around. looped_uniform: like standard_uniform, "
-                    "but windows wrap from the last frames to the first (for looping videos).",
+                    "but windows wrap from the last frames to the first (for looping videos). With the sampler's "
+                    "cache use standard_static: each window then caches on its own.",
                 ),
                 io.Int.Input(
                     "context_stride",

@@ -207,3 +207,13 @@ def hand_merged(expert: torch.nn.Module, content: LoraContent, strength: float) 
     for parameter, delta in content.diffs.items():
         params[parameter].data = params[parameter].data + strength * delta.float()
     return expert
+
+
+def rehomed(model):
+    """`model` with its experts' weights in fresh allocations, as the hand merge's are: CPU GEMM kernels pick
+    their path by operand alignment, and weights used in place from a file sit at the file's offsets."""
+    with torch.no_grad():
+        for expert in model.experts:
+            for tensor in expert.parameters():
+                tensor.data = tensor.data.clone()
+    return model

@@ -25,3 +25,21 @@ def psnr(reference: torch.Tensor, other: torch.Tensor) -> float:
     if mse == 0:
         return float("inf")
     return float(10 * torch.log10(reference.float().abs().max() ** 2 / mse))
+
+
+def count_block_calls(model):
+    """Forward calls of every main block and VACE block of both experts."""
+    counts = {}
+    handles = []
+    for attribute, name in (("transformer", "high-noise"), ("transformer_2", "low-noise")):
+        expert = getattr(model, attribute)
+        for list_name in ("blocks", "vace_blocks"):
+            key = (name, list_name)
+            counts[key] = 0
+            for block in getattr(expert, list_name):
+
+                def hook(*_args, _key=key):
+                    counts[_key] += 1
+
+                handles.append(block.register_forward_pre_hook(hook))
+    return counts, handles

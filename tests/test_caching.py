@@ -6,7 +6,7 @@ import pytest
 import torch
 from diffusers import WanVACEPipeline
 
-from tests.metrics import expected_block_calls, psnr
+from tests.metrics import count_block_calls, expected_block_calls, psnr
 from tests.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH, build_task
 from wanvace_core import (
     CacheOptions,
@@ -47,24 +47,6 @@ def _cond(model, task: str):
     return prepare_conditioning(model, VACEInputs(PROMPT, NEGATIVE, WIDTH, HEIGHT, LENGTH, **build_task(task).ours))
 
 
-def _count_block_calls(model):
-    """Forward calls of every main block and VACE block of both experts."""
-    counts = {}
-    handles = []
-    for attribute, name in (("transformer", "high-noise"), ("transformer_2", "low-noise")):
-        expert = getattr(model, attribute)
-        for list_name in ("blocks", "vace_blocks"):
-            key = (name, list_name)
-            counts[key] = 0
-            for block in getattr(expert, list_name):
-
-                def hook(*_args, _key=key):
-                    counts[_key] += 1
-
-                handles.append(block.register_forward_pre_hook(hook))
-    return counts, handles
-
-
 @pytest.mark.parametrize("task", ["v2v", "r2v"])
 @pytest.mark.parametrize("mode", ["DBCache", "DBCache+TaylorSeer"])
 def test_caching_with_nothing_cached_is_bitwise_equal_to_uncached(task, mode, model):
@@ -80,7 +62,7 @@ def test_caching_with_nothing_cached_is_bitwise_equal_to_uncached(task, mode, mo
 def test_both_experts_cache_and_block_calls_drop_as_reported(model):
     cond = _cond(model, "v2v")
     options = _eager()
-    counts, handles = _count_block_calls(model)
+    counts, handles = count_block_calls(model)
     try:
         result = sample(model, cond, _settings(), cache=options)
     finally:

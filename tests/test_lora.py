@@ -17,7 +17,7 @@ import types
 import pytest
 import torch
 
-from tests.lora_files import LORA_FORMATS, LoraContent, hand_merged, lora_content, write_lora
+from tests.lora_files import LORA_FORMATS, LoraContent, hand_merged, lora_content, rehomed, write_lora
 from tests.simulated_streams import SimulatedStreamOps
 from wanvace_core import (
     CacheOptions,
@@ -39,16 +39,6 @@ INPUTS = VACEInputs(positive="a bird flies over the sea", negative="blurry", wid
 SETTINGS = SamplerSettings(seed=5, steps=3, cfg=3.0, cfg_low_noise=1.0)
 ON_THE_FLY_TOLERANCE = 1e-5
 ALPHA = 2.0  # rank 4: scale 0.5, a power of two, so folding it into B (PEFT) is exact
-
-
-def rehomed(model):
-    """`model` with its experts' weights in fresh allocations, as the hand merge's are: CPU GEMM kernels pick
-    their path by operand alignment, and weights used in place from a file sit at the file's offsets."""
-    with torch.no_grad():
-        for expert in model.experts:
-            for tensor in expert.parameters():
-                tensor.data = tensor.data.clone()
-    return model
 
 
 @pytest.fixture(scope="module")

@@ -96,6 +96,12 @@ def test_context_windows_run_in_the_workers_and_equal_one_process_bitwise(refere
     expected = sample(model, cond, SETTINGS, windows=windows).latents
     assert not torch.equal(expected, sample(model, cond, SETTINGS).latents)
     assert torch.equal(sample(cfg_parallel_model, cond, SETTINGS, windows=windows).latents, expected)
+    # With the cache each window keeps its own cache state in the workers too, and the report counts window steps.
+    cached = sample(model, cond, SETTINGS, windows=windows, cache=CACHE)
+    assert all(expert.windows == 2 and expert.cached_steps for expert in cached.cache_report.experts)
+    got = sample(cfg_parallel_model, cond, SETTINGS, windows=windows, cache=CACHE)
+    assert torch.equal(got.latents, cached.latents)
+    assert got.cache_report == cached.cache_report
 
 
 def test_consecutive_prompts_and_a_cancel_keep_the_same_workers_and_result(reference, cfg_parallel_model):

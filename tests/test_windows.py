@@ -102,12 +102,10 @@ def _comfy_answers(cases: list[dict], out_file: str) -> None:
 
 # --- the pytest side -------------------------------------------------------------------------------------
 
-from tests.vace_tasks import HEIGHT, NEGATIVE, PROMPT, WIDTH  # noqa: E402
+from tests.vace_tasks import HEIGHT, LONG, WIDTH, long_inputs  # noqa: E402
 from wanvace_core import (  # noqa: E402
-    CacheOptions,
     OffloadOptions,
     SamplerSettings,
-    VACEInputs,
     WanVACEInputError,
     load_pipeline,
     prepare_conditioning,
@@ -245,23 +243,7 @@ def test_latent_sizes_follow_the_vae():
 
 # --- through the sampler -----------------------------------------------------------------------------------
 
-LONG = 33  # video frames: 9 latent frames, so a 17-frame window (5 latent) overlapping 8 (2) gives 3 windows
 SETTINGS = SamplerSettings(seed=7, steps=3, cfg=5.0, cfg_low_noise=4.0)
-
-
-def _long_inputs(task: str) -> VACEInputs:
-    generator = torch.Generator().manual_seed(9)
-    video = torch.rand(LONG, HEIGHT, WIDTH, 3, generator=generator)
-    fields = {}
-    if task in ("v2v", "inpaint"):
-        fields["control_video"] = video
-    if task == "inpaint":
-        masks = torch.zeros(LONG, HEIGHT, WIDTH)
-        masks[:, 8:32, 16:48] = 1.0
-        fields["control_masks"] = masks
-    if task == "r2v":
-        fields["reference_images"] = torch.rand(2, 32, 48, 3, generator=generator)
-    return VACEInputs(PROMPT, NEGATIVE, WIDTH, HEIGHT, LONG, **fields)
 
 
 @pytest.fixture(scope="module")
@@ -271,7 +253,7 @@ def model(tiny_folder):
 
 @pytest.mark.parametrize("task", ["t2v", "r2v", "inpaint"])
 def test_a_window_over_the_whole_video_samples_bitwise_as_without_windows(model, task):
-    cond = prepare_conditioning(model, _long_inputs(task))
+    cond = prepare_conditioning(model, long_inputs(task))
     plain = sample(model, cond, SETTINGS).latents
     for schedule in ("standard_static", "standard_uniform", "looped_uniform"):
         options = ContextWindowOptions(context_length=LONG, context_overlap=8, schedule=schedule, freenoise=True)
@@ -280,7 +262,7 @@ def test_a_window_over_the_whole_video_samples_bitwise_as_without_windows(model,
 
 @pytest.mark.parametrize("task", ["r2v", "inpaint"])
 def test_each_window_gets_its_slice_of_the_vace_context_and_the_references(model, task):
-    cond = prepare_conditioning(model, _long_inputs(task))
+    cond = prepare_conditioning(model, long_inputs(task))
     references = cond.num_reference_images
     options = ContextWindowOptions(context_length=17, context_overlap=8, freenoise=False)
     seen = []
@@ -314,7 +296,7 @@ def test_each_window_gets_its_slice_of_the_vace_context_and_the_references(model
 
 
 def test_each_windows_prediction_is_the_forward_on_its_slice_alone(model):
-    cond = prepare_conditioning(model, _long_inputs("r2v"))
+    cond = prepare_conditioning(model, long_inputs("r2v"))
     references = cond.num_reference_images
     options = ContextWindowOptions(context_length=17, context_overlap=8)
     frames = cond.conditioning_latents.shape[2]
@@ -353,7 +335,7 @@ def test_each_windows_prediction_is_the_forward_on_its_slice_alone(model):
 
 
 def test_windows_under_layerwise_offload_equal_them_on_the_device_bitwise(model, tiny_folder):
-    cond = prepare_conditioning(model, _long_inputs("inpaint"))
+    cond = prepare_conditioning(model, long_inputs("inpaint"))
     options = ContextWindowOptions(context_length=17, context_overlap=8)
     expected = sample(model, cond, SETTINGS, windows=options).latents
     offloaded = load_pipeline(tiny_folder, "fp32", offload=OffloadOptions(mode="layerwise"))
@@ -361,7 +343,7 @@ def test_windows_under_layerwise_offload_equal_them_on_the_device_bitwise(model,
 
 
 def test_a_cancel_stops_between_windows_and_the_next_run_is_unchanged(model):
-    cond = prepare_conditioning(model, _long_inputs("t2v"))
+    cond = prepare_conditioning(model, long_inputs("t2v"))
     options = ContextWindowOptions(context_length=17, context_overlap=8)
     expected = sample(model, cond, SETTINGS, windows=options).latents
     windows_started = []
@@ -378,18 +360,6 @@ def test_a_cancel_stops_between_windows_and_the_next_run_is_unchanged(model):
         sample(model, cond, SETTINGS, windows=options, between_windows=cancel_at_the_second_window)
     assert len(windows_started) == 2
     assert torch.equal(sample(model, cond, SETTINGS, windows=options).latents, expected)
-
-
-def test_windows_refuse_the_cache_for_now(model):
-    cond = prepare_conditioning(model, _long_inputs("t2v"))
-    with pytest.raises(WanVACEInputError, match="context windows do not run yet with the cache"):
-        sample(
-            model,
-            cond,
-            SETTINGS,
-            cache=CacheOptions(),
-            windows=ContextWindowOptions(context_length=17, context_overlap=8),
-        )
 
 
 if __name__ == "__main__":

@@ -7,14 +7,19 @@ PIL images or float arrays diffusers takes describe exactly the same pixels.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import PIL.Image
 import torch
 
+if TYPE_CHECKING:
+    from wanvace_core import VACEInputs
+
 WIDTH, HEIGHT, LENGTH = 64, 48, 9
 PROMPT = "a bird flies over the sea at sunset"
 NEGATIVE = "low quality, blurry, static"
+LONG = 33  # video frames: 9 latent frames, so a 17-frame window (5 latent) overlapping 8 (2) gives 3 windows
 TASKS = ("t2v", "i2v", "flf2v", "r2v", "v2v", "inpaint", "outpaint", "extension")
 
 
@@ -119,3 +124,21 @@ def expert_inputs(expert, frames: int = 3, height: int = 6, width: int = 8) -> d
         "control_hidden_states_scale": torch.tensor([1.0, 0.7]),
         "return_dict": False,
     }
+
+
+def long_inputs(task: str) -> VACEInputs:
+    """A LONG-frame video task for the context-window tests: t2v, r2v (two references), v2v or inpaint."""
+    from wanvace_core import VACEInputs
+
+    generator = torch.Generator().manual_seed(9)
+    video = torch.rand(LONG, HEIGHT, WIDTH, 3, generator=generator)
+    fields = {}
+    if task in ("v2v", "inpaint"):
+        fields["control_video"] = video
+    if task == "inpaint":
+        masks = torch.zeros(LONG, HEIGHT, WIDTH)
+        masks[:, 8:32, 16:48] = 1.0
+        fields["control_masks"] = masks
+    if task == "r2v":
+        fields["reference_images"] = torch.rand(2, 32, 48, 3, generator=generator)
+    return VACEInputs(PROMPT, NEGATIVE, WIDTH, HEIGHT, LONG, **fields)

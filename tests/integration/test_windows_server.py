@@ -12,7 +12,9 @@ from safetensors.torch import load_file
 from workflow_graphs import TINY_MODEL, for_tiny_model, nodes_of_type
 
 from wanvace_core import (
+    CacheOptions,
     ContextWindowOptions,
+    ExpertCacheLimits,
     SamplerSettings,
     VACEInputs,
     load_pipeline,
@@ -36,12 +38,31 @@ WINDOWS = {
 }
 
 
-def _workflow(seed: int, prefix: str, windows: dict | None, length: int = LONG) -> dict:
+# Eager TaylorSeer caching, so that the tiny model caches within 8 steps.
+CACHE_WIDGETS = {
+    "mode": "DBCache+TaylorSeer",
+    "Fn_compute_blocks": 1,
+    "Bn_compute_blocks": 0,
+    "residual_diff_threshold": 0.3,
+    "max_warmup_steps": 1,
+    "max_cached_steps": -1,
+    "low_noise_max_warmup_steps": 1,
+    "low_noise_max_cached_steps": -1,
+    "taylorseer_order": 1,
+}
+
+
+def _workflow(
+    seed: int, prefix: str, windows: dict | None, length: int = LONG, steps: int = 4, cache: bool = False
+) -> dict:
     workflow = for_tiny_model(json.loads((API_DIR / "wanvace_t2v.json").read_text()))
     ids = {node["class_type"]: key for key, node in workflow.items()}
     workflow[ids["WanVACEConditioning"]]["inputs"]["length"] = length
     sampler = workflow[ids["WanVACESampler"]]["inputs"]
-    sampler.update(seed=seed, steps=4)
+    sampler.update(seed=seed, steps=steps)
+    if cache:
+        workflow["700"] = {"class_type": "WanVACECacheOptions", "inputs": dict(CACHE_WIDGETS)}
+        sampler["cache"] = ["700", 0]
     if windows is not None:
         workflow["710"] = {"class_type": "WanVACEContextWindows", "inputs": dict(windows)}
         sampler["context_windows"] = ["710", 0]
@@ -61,6 +82,16 @@ def _latent(comfy_server, workflow: dict) -> torch.Tensor:
     return load_file(str(latent_file))["latent_tensor"]
 
 
+def _alone(comfy_base, workflow: dict, settings: SamplerSettings, **options):
+    """The same generation in this process on a freshly loaded model."""
+    model = load_pipeline(comfy_base / "models" / "diffusers" / TINY_MODEL, "bf16")
+    inputs = nodes_of_type(workflow, "WanVACEConditioning")[0]["inputs"]
+    cond = prepare_conditioning(
+        model, VACEInputs(inputs["positive"], inputs["negative"], inputs["width"], inputs["height"], inputs["length"])
+    )
+    return model, cond, sample(model, cond, settings, **options)
+
+
 def test_a_window_over_the_whole_video_is_the_windowless_prompt_bitwise(comfy_server):
     plain = _latent(comfy_server, _workflow(61, "windows/plain", None))
     whole = _latent(comfy_server, _workflow(61, "windows/whole", {**WINDOWS, "context_length": LONG}))
@@ -70,15 +101,33 @@ def test_a_window_over_the_whole_video_is_the_windowless_prompt_bitwise(comfy_se
 def test_a_longer_video_runs_as_windows_and_equals_the_windowed_run_alone(comfy_server, comfy_base):
     workflow = _workflow(62, "windows/long", WINDOWS)
     served = _latent(comfy_server, workflow)
-    model = load_pipeline(comfy_base / "models" / "diffusers" / TINY_MODEL, "bf16")
-    inputs = nodes_of_type(workflow, "WanVACEConditioning")[0]["inputs"]
-    cond = prepare_conditioning(
-        model, VACEInputs(inputs["positive"], inputs["negative"], inputs["width"], inputs["height"], inputs["length"])
-    )
     settings = SamplerSettings(seed=62, steps=4, cfg=5.0, cfg_low_noise=5.0)
-    alone = to_vae_space(model, sample(model, cond, settings, windows=ContextWindowOptions(**WINDOWS)).latents)
+    model, cond, result = _alone(comfy_base, workflow, settings, windows=ContextWindowOptions(**WINDOWS))
+    alone = to_vae_space(model, result.latents)
     assert torch.equal(served, alone)
     assert not torch.equal(alone, to_vae_space(model, sample(model, cond, settings).latents))
+
+
+def test_windows_with_the_cache_equal_the_cached_windowed_run_alone_and_report_each_window(comfy_server, comfy_base):
+    static = {**WINDOWS, "schedule": "standard_static"}
+    workflow = _workflow(64, "windows/cached", static, steps=8, cache=True)
+    result = comfy_server.run_prompt(workflow)
+    assert result.status == "success", (result.status, result.error)
+    (latent_file,) = [path for path in result.output_files() if path.suffix == ".latent"]
+    served = load_file(str(latent_file))["latent_tensor"]
+    limits = ExpertCacheLimits(max_warmup_steps=1)
+    cache = CacheOptions(mode="DBCache+TaylorSeer", residual_diff_threshold=0.3, high_noise=limits, low_noise=limits)
+    settings = SamplerSettings(seed=64, steps=8, cfg=5.0, cfg_low_noise=5.0)
+    model, _, alone = _alone(comfy_base, workflow, settings, windows=ContextWindowOptions(**static), cache=cache)
+    assert torch.equal(served, to_vae_space(model, alone.latents))
+    assert any(expert.cached_steps for expert in alone.cache_report.experts)
+    assert alone.cache_report.text() in json.dumps(result.outputs), "the sampler shows the per-window cache report"
+
+
+def test_the_cache_with_moving_windows_fails_the_prompt_naming_the_schedule(comfy_server):
+    result = comfy_server.run_prompt(_workflow(65, "windows/moving", WINDOWS, cache=True))
+    assert result.status == "error"
+    assert "schedule standard_static, not 'standard_uniform'" in json.dumps(result.error)
 
 
 @pytest.mark.parametrize(

@@ -203,6 +203,13 @@ def _expert_runs(
     ]
 
 
+def _before_window(position: int, between_windows: Callable[[], None] | None, cached: CachedExperts | None) -> None:
+    if between_windows is not None:
+        between_windows()
+    if cached is not None:
+        cached.use_window(position)
+
+
 @torch.no_grad()
 def sample(
     model: WanVACEModel,
@@ -215,7 +222,8 @@ def sample(
     windows: ContextWindowOptions | None = None,
     between_windows: Callable[[], None] | None = None,
 ) -> SampleResult:
-    """Denoises `cond` with the dual-expert loop; `cache` turns on Cache-DiT for this run only.
+    """Denoises `cond` with the dual-expert loop; `cache` turns on Cache-DiT for this run only (with `windows`, a
+    cache state per window).
 
     `batched_cfg` runs each guided step's two passes as one call of batch 2 (`BatchedGuidance`; a CFG-parallel
     `guidance` splits them over devices instead). A model whose experts run in parallel workers (`model.remote`)
@@ -223,10 +231,11 @@ def sample(
     (`windows.py`); a video no longer than one window runs as without them, bit for bit. `between_windows` runs
     before each window (raising stops the run).
     """
-    if windows is not None and cache is not None:
+    if windows is not None and cache is not None and windows.schedule != "standard_static":
         raise WanVACEInputError(
-            "context windows do not run yet with the cache; disconnect the cache input of the sampler, or the "
-            "context windows."
+            f"the cache needs context windows with schedule standard_static, not {windows.schedule!r}: the uniform "
+            "schedules move the windows every step, so no window has a step before it whose residuals it could reuse. "
+            "Set schedule to standard_static, or disconnect the cache input of the sampler."
         )
     if model.remote is not None:
         if model.loras:
@@ -281,7 +290,7 @@ def sample(
                     common,
                     plan_windows(windows, latents.shape[2] - references, index),
                     references,
-                    between_windows,
+                    lambda position: _before_window(position, between_windows, cached),
                 )
             latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
             if callback is not None:

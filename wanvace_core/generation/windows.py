@@ -259,13 +259,14 @@ def windowed_prediction(
     inputs: dict,
     windows: list[ContextWindow],
     references: int,
-    before_each: Callable[[], None] | None = None,
+    before_each: Callable[[int], None] | None = None,
 ) -> torch.Tensor:
     """One step's prediction from context windows: `predict` (the step's guided expert call) runs on each window's
     slice of `inputs` (the latents and the VACE context alike, with the `references` reference frames in front of
     every window, as the whole video has them), and each video frame's prediction is the sum of the windows'
     predictions times their shares. The reference frames, which every window holds, take the windows' mean.
-    `before_each` runs before every window (ComfyUI's cancel check: a cancel stops between windows).
+    `before_each` runs before every window with its position in `windows` (ComfyUI's cancel check, so that a cancel
+    stops between windows, and the switch to the window's own cache state).
 
     Accumulated in fp32 and returned in the prediction's dtype; a single window of shares 1 returns its
     prediction bit for bit."""
@@ -273,9 +274,9 @@ def windowed_prediction(
     device = hidden.device
     leading = torch.arange(references, device=device)
     fused, dtype = None, None
-    for window in windows:
+    for position, window in enumerate(windows):
         if before_each is not None:
-            before_each()
+            before_each(position)
         frames = torch.tensor(window.frames, device=device) + references
         keep = torch.cat([leading, frames])
         sliced = {

@@ -130,13 +130,15 @@ class ExpertCacheReport:
     cfg_steps: int
     cfg_cached_steps: tuple[int, ...]
     calibrator: str | None
+    windows: int = 1  # context windows, each cached on its own: steps counts every window's steps
 
     @property
     def computed_steps(self) -> int:
         return self.steps - len(self.cached_steps)
 
     def text(self) -> str:
-        line = f"{self.expert} expert: {self.computed_steps}/{self.steps} steps computed, "
+        unit = "steps" if self.windows == 1 else f"window steps ({self.windows} windows)"
+        line = f"{self.expert} expert: {self.computed_steps}/{self.steps} {unit} computed, "
         line += f"{len(self.cached_steps)} cached"
         if self.cfg_steps:
             line += f"; CFG branch {self.cfg_steps - len(self.cfg_cached_steps)} computed, "
@@ -206,6 +208,9 @@ class CachedExperts:
         self.runs = [run for run in runs if run.steps > 0]
         self._adapter = None
         self._saved_forwards: list[_ForwardSnapshot] = []
+        # Per context window, each expert's cache-dit context by name; empty for a run without windows.
+        self._window_contexts: dict[int, dict[str, object]] = {}
+        self._active_window: int | None = None
 
     def _cache_config(self, run: ExpertRun):
         from cache_dit import DBCacheConfig
@@ -278,6 +283,11 @@ class CachedExperts:
 
     def __exit__(self, *_exc) -> None:
         experts = [getattr(self.model, run.attribute) for run in self.runs]
+        # cache-dit releases the contexts in its registry; the other windows' contexts are ours to release.
+        for contexts in self._window_contexts.values():
+            for context in contexts.values():
+                context.clear_buffers()
+        self._window_contexts, self._active_window = {}, None
         if self._adapter is not None and any(getattr(expert, "_is_cached", False) for expert in experts):
             import cache_dit
 
@@ -289,35 +299,94 @@ class CachedExperts:
             snapshot.restore()
         self._saved_forwards = []
 
-    def report(self) -> CacheReport:
-        """Reads cache-dit's own statistics and checks they describe the run that happened."""
-        import cache_dit
+    def _context_manager(self):
+        # cache-dit keeps one context manager per adapter and puts it on each transformer it caches.
+        return getattr(self.model, self.runs[0].attribute)._context_manager
 
+    def _context_names(self) -> dict[str, str]:
+        """Each cached expert's cache-dit context name (one block list per expert, so one context each)."""
+        names = {}
+        for run in self.runs:
+            (name,) = getattr(self.model, run.attribute)._context_names
+            names[run.attribute] = name
+        return names
+
+    def use_window(self, position: int) -> None:
+        """Gives the experts the cache state of context window `position` of the step (the same frames at every
+        step under the `standard_static` schedule), so that one window's residuals never decide another's.
+
+        Each window gets cache-dit contexts of its own, made as cache-dit makes the first; the first window uses
+        the ones `enable_cache` made. cache-dit has no public call that puts back a context it made before (its
+        blocks look their context up by name at every call), so this swaps the entry in its manager's registry;
+        `report` refuses a run in which any window's context did not see every step of its expert.
+        """
+        manager = self._context_manager()
+        registry = getattr(manager, "_cached_context_manager", None)
+        if not isinstance(registry, dict):
+            raise WanVACECacheError(
+                "this cache-dit version keeps its cache contexts differently, so context windows cannot each have "
+                "their own cache; disconnect the cache input or the context windows, or install cache-dit 1.5.x."
+            )
+        names = self._context_names()
+        if self._active_window is None:
+            self._active_window = 0
+            self._window_contexts[0] = {name: manager.get_context(name) for name in names.values()}
+        if position == self._active_window:
+            return
+        self._window_contexts[self._active_window] = {name: manager.get_context(name) for name in names.values()}
+        if position not in self._window_contexts:
+            first = self._window_contexts[0]
+            self._window_contexts[position] = {
+                name: manager.new_context(*first[name]._init_args, **{**first[name]._init_kwargs, "name": name})
+                for name in names.values()
+            }
+        registry.update(self._window_contexts[position])
+        self._active_window = position
+
+    def report(self) -> CacheReport:
+        """Reads cache-dit's own statistics from each expert's contexts (one per context window) and checks they
+        describe the run that happened."""
+        manager = self._context_manager()
+        names = self._context_names()
+        if self._active_window is not None:
+            self._window_contexts[self._active_window] = {name: manager.get_context(name) for name in names.values()}
+        windows = [self._window_contexts[position] for position in sorted(self._window_contexts)] or [
+            {name: manager.get_context(name) for name in names.values()}
+        ]
         experts = []
         for run in self.runs:
-            stats = cache_dit.summary(getattr(self.model, run.attribute), logging=False)
-            if not stats:
-                raise WanVACECacheError(f"cache-dit recorded nothing for the {EXPERT_NAMES[run.attribute]} expert.")
-            current = stats[-1]
-            if current.accumulated_executed_steps != run.steps:
-                raise WanVACECacheError(
-                    f"cache-dit saw {current.accumulated_executed_steps} steps of the {EXPERT_NAMES[run.attribute]} "
-                    f"expert but it ran {run.steps}; its cache context is not the one this run used."
+            expert_name = EXPERT_NAMES[run.attribute]
+            cached_steps, cfg_cached_steps = [], []
+            calibrators = set()
+            for position, contexts in enumerate(windows):
+                context = contexts[names[run.attribute]]
+                where = f" in context window {position + 1}" if len(windows) > 1 else ""
+                if context.accumulated_executed_steps != run.steps:
+                    raise WanVACECacheError(
+                        f"cache-dit saw {context.accumulated_executed_steps} steps of the {expert_name} expert{where} "
+                        f"but it ran {run.steps}; its cache context is not the one this run used."
+                    )
+                cached_steps += context.cached_steps
+                cfg_cached_steps += context.cfg_cached_steps
+                calibrator = context.calibrator_config
+                calibrators.add(
+                    f"TaylorSeer (order {calibrator.taylorseer_order})"
+                    if context.calibrator is not None and calibrator is not None
+                    else None
                 )
-            calibrator = current.cache_options.get("calibrator_config")
-            calibrator_name = None
-            if calibrator is not None and getattr(calibrator, "enable_calibrator", False):
-                calibrator_name = f"TaylorSeer (order {calibrator.taylorseer_order})"
+            (calibrator_name,) = calibrators
             if self.options.uses_taylorseer and calibrator_name is None:
                 raise WanVACECacheError("TaylorSeer was enabled but cache-dit did not attach its calibrator.")
+            steps = run.steps * len(windows)
             experts.append(
                 ExpertCacheReport(
-                    expert=EXPERT_NAMES[run.attribute],
-                    steps=run.steps,
-                    cached_steps=tuple(current.cached_steps),
-                    cfg_steps=run.steps if run.cfg else 0,
-                    cfg_cached_steps=tuple(current.cfg_cached_steps) if run.cfg else (),
+                    expert=expert_name,
+                    steps=steps,
+                    cached_steps=tuple(cached_steps),
+                    cfg_steps=steps if run.cfg else 0,
+                    cfg_cached_steps=tuple(cfg_cached_steps) if run.cfg else (),
                     calibrator=calibrator_name,
+                    windows=len(windows),
                 )
             )
         return CacheReport(mode=self.options.mode, experts=tuple(experts))
