@@ -334,11 +334,12 @@ def test_each_windows_prediction_is_the_forward_on_its_slice_alone(model):
     assert torch.allclose(fused, fused_by_hand, rtol=0, atol=1e-6)
 
 
-def test_windows_under_layerwise_offload_equal_them_on_the_device_bitwise(model, tiny_folder):
+@pytest.mark.parametrize("mode", ["model", "layerwise"])
+def test_windows_under_offload_equal_them_on_the_device_bitwise(model, tiny_folder, mode):
     cond = prepare_conditioning(model, long_inputs("inpaint"))
     options = ContextWindowOptions(context_length=17, context_overlap=8)
     expected = sample(model, cond, SETTINGS, windows=options).latents
-    offloaded = load_pipeline(tiny_folder, "fp32", offload=OffloadOptions(mode="layerwise"))
+    offloaded = load_pipeline(tiny_folder, "fp32", offload=OffloadOptions(mode=mode))
     assert torch.equal(sample(offloaded, cond, SETTINGS, windows=options).latents, expected)
 
 
