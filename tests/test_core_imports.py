@@ -4,7 +4,7 @@ Every import in `wanvace_core/` counts: at module level, inside functions (a laz
 only until the function runs), relative or absolute, and `importlib.import_module` of a literal name. The
 layers, each importing only from itself and the layers after it:
 
-    wanvace_core (the API the nodes use) and wanvace_core.worker
+    wanvace_core (the API the nodes use), wanvace_core.worker and wanvace_core.generate (the offline command)
     → generation → runtime → parallel → load → errors / validation / hooks
 """
 
@@ -19,7 +19,7 @@ CORE = Path(__file__).resolve().parents[1] / "wanvace_core"
 
 # Highest first; a module may import modules of its own layer (no cycle) or of a later one.
 LAYERS = (
-    ("wanvace_core", "wanvace_core.worker"),
+    ("wanvace_core", "wanvace_core.worker", "wanvace_core.generate"),
     ("wanvace_core.generation",),
     ("wanvace_core.runtime",),
     ("wanvace_core.parallel",),

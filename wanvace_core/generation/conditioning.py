@@ -101,20 +101,27 @@ def validate_vace_window(start: float, end: float) -> None:
 
 
 def validate_generation_size(
-    width: int, height: int, length: int, spatial_multiple: int = 16, temporal_stride: int = 4
+    width: int,
+    height: int,
+    length: int,
+    spatial_multiple: int = 16,
+    temporal_stride: int = 4,
+    names: tuple[str, str, str] = ("width", "height", "length"),
 ):
-    """Checks the output size; raises `WanVACEInputError` with the nearest valid values."""
-    validate_integer("width", width, f"use a positive multiple of {spatial_multiple} such as 832")
-    validate_integer("height", height, f"use a positive multiple of {spatial_multiple} such as 480")
-    validate_integer("length", length, f"use a frame count of the form {temporal_stride}n+1 such as 81")
-    for name, value in (("width", width), ("height", height)):
+    """Checks the output size; raises `WanVACEInputError` with the nearest valid values, naming the inputs by
+    `names` (the command line spells them `--width`, `--height`, `--num-frames`)."""
+    width_name, height_name, length_name = names
+    validate_integer(width_name, width, f"use a positive multiple of {spatial_multiple} such as 832")
+    validate_integer(height_name, height, f"use a positive multiple of {spatial_multiple} such as 480")
+    validate_integer(length_name, length, f"use a frame count of the form {temporal_stride}n+1 such as 81")
+    for name, value in ((width_name, width), (height_name, height)):
         if value <= 0 or value % spatial_multiple:
             nearest = max(spatial_multiple, round(value / spatial_multiple) * spatial_multiple)
             raise WanVACEInputError(f"{name}={value} is not a positive multiple of {spatial_multiple}; use {nearest}.")
     if length < 1 or (length - 1) % temporal_stride:
         nearest = max(1, round((length - 1) / temporal_stride) * temporal_stride + 1)
         raise WanVACEInputError(
-            f"length={length} frames is not of the form {temporal_stride}n+1 (e.g. 33, 49, 81); use {nearest}."
+            f"{length_name}={length} frames is not of the form {temporal_stride}n+1 (e.g. 33, 49, 81); use {nearest}."
         )
 
 

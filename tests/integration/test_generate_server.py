@@ -1,0 +1,147 @@
+"""The offline command (`python -m wanvace_core.generate`) against the shipped workflows through a real ComfyUI:
+for every VACE mode, the same job gives the same latents bit for bit.
+
+The inputs are written at the tiny model's output size (64x48), so the workflows' ImageScale passes them through
+unchanged (PIL returns a same-size image as it is), and videos are PNG-coded (.mov, rgb24), which both ComfyUI
+versions and the command read as 8-bit RGB over 255.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import PIL.Image
+import pytest
+import torch
+from safetensors.torch import load_file
+from workflow_graphs import TINY_MODEL, for_tiny_model, node_id_of
+
+from wanvace_core import generate
+
+pytestmark = pytest.mark.integration
+
+API_DIR = Path(__file__).resolve().parents[1] / "api_workflows"
+WIDTH, HEIGHT, LENGTH, STEPS, SEED = 64, 48, 9, 4, 42
+OUTPAINT_INNER = 32
+EXTENSION_GIVEN = 5
+
+
+def _write_png(path: Path, seed: int, width: int = WIDTH, height: int = HEIGHT, mask: bool = False) -> Path:
+    generator = np.random.default_rng(seed)
+    if mask:
+        pixels = np.zeros((height, width, 3), dtype=np.uint8)
+        pixels[8:32, 16:48] = 255
+    else:
+        pixels = generator.integers(0, 256, size=(height, width, 3), dtype=np.uint8)
+    PIL.Image.fromarray(pixels).save(path)
+    return path
+
+
+def _write_mov(path: Path, frames: int, seed: int, width: int = WIDTH) -> Path:
+    import av
+
+    generator = np.random.default_rng(seed)
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("png", rate=16)
+        stream.width, stream.height, stream.pix_fmt = width, HEIGHT, "rgb24"
+        for _ in range(frames):
+            pixels = generator.integers(0, 256, size=(HEIGHT, width, 3), dtype=np.uint8)
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")))
+        container.mux(stream.encode())
+    return path
+
+
+def _set(workflow: dict, class_type: str, index: int, **inputs) -> None:
+    ids = [key for key, node in workflow.items() if node["class_type"] == class_type]
+    workflow[ids[index]]["inputs"].update(inputs)
+
+
+def _job(mode: str, input_dir: Path) -> tuple[dict, list[str]]:
+    """The shipped workflow of `mode` on the tiny model, reading this test's inputs, and the same job as flags."""
+    workflow = for_tiny_model(json.loads((API_DIR / f"wanvace_{mode}.json").read_text()))
+    flags = []
+    if mode in ("i2v", "flf2v"):
+        first = _write_png(input_dir / f"generate_{mode}_first.png", 1)
+        _set(workflow, "LoadImage", 0, image=first.name)
+        flags += ["--image", str(first)]
+    if mode == "flf2v":
+        last = _write_png(input_dir / "generate_flf2v_last.png", 2)
+        _set(workflow, "LoadImage", 1, image=last.name)
+        flags += ["--last-image", str(last)]
+    if mode == "r2v":
+        for index in range(2):
+            reference = _write_png(input_dir / f"generate_r2v_ref{index}.png", 3 + index, width=40, height=40)
+            _set(workflow, "LoadImage", index, image=reference.name)
+            flags += ["--reference", str(reference)]
+    if mode in ("v2v", "inpaint", "outpaint", "extension"):
+        frames = EXTENSION_GIVEN if mode == "extension" else LENGTH
+        width = OUTPAINT_INNER if mode == "outpaint" else WIDTH
+        video = _write_mov(input_dir / f"generate_{mode}.mov", frames, 5, width=width)
+        _set(workflow, "LoadVideo", 0, file=video.name)
+        flags += ["--video", str(video)]
+    if mode == "inpaint":
+        mask = _write_png(input_dir / "generate_inpaint_mask.png", 6, mask=True)
+        _set(workflow, "LoadImageMask", 0, image=mask.name)
+        flags += ["--mask", str(mask)]
+    if mode == "outpaint":
+        pad = (WIDTH - OUTPAINT_INNER) // 2
+        flags += ["--outpaint-left", str(pad), "--outpaint-right", str(pad)]
+    sampler_id = node_id_of(workflow, "WanVACESampler")
+    for class_type in ("WanVACEDecode", "CreateVideo", "SaveVideo"):
+        del workflow[node_id_of(workflow, class_type)]
+    workflow["900"] = {
+        "class_type": "SaveLatent",
+        "inputs": {"samples": [sampler_id, 0], "filename_prefix": f"generate/{mode}"},
+    }
+    conditioning = next(node["inputs"] for node in workflow.values() if node["class_type"] == "WanVACEConditioning")
+    sampler = workflow[sampler_id]["inputs"]
+    assert (conditioning["width"], conditioning["height"], conditioning["length"]) == (WIDTH, HEIGHT, LENGTH)
+    assert (sampler["seed"], sampler["steps"], sampler["cfg"], sampler["cfg_low_noise"]) == (SEED, STEPS, 5.0, 5.0)
+    flags += ["--prompt", conditioning["positive"], "--negative-prompt", conditioning["negative"]]
+    return workflow, flags
+
+
+@pytest.mark.every_variant
+@pytest.mark.parametrize("mode", ["t2v", "i2v", "flf2v", "r2v", "v2v", "inpaint", "outpaint", "extension"])
+def test_the_offline_command_equals_the_shipped_workflow_bitwise(comfy_server, comfy_base, tmp_path, mode):
+    workflow, flags = _job(mode, comfy_base / "input")
+    result = comfy_server.run_prompt(workflow)
+    assert result.status == "success", (result.status, result.error)
+    (latent_file,) = [path for path in result.output_files() if path.suffix == ".latent"]
+    served = load_file(str(latent_file))["latent_tensor"]
+
+    output, latent = tmp_path / f"{mode}.mp4", tmp_path / f"{mode}.latent"
+    status = generate.main(
+        [
+            "--model",
+            str(comfy_base / "models" / "diffusers" / TINY_MODEL),
+            "--mode",
+            mode,
+            *flags,
+            "--width",
+            str(WIDTH),
+            "--height",
+            str(HEIGHT),
+            "--num-frames",
+            str(LENGTH),
+            "--num-inference-steps",
+            str(STEPS),
+            "--seed",
+            str(SEED),
+            "--guidance-scale",
+            "5.0",
+            "--device",
+            "cpu",
+            "--output",
+            str(output),
+            "--save-latent",
+            str(latent),
+        ]
+    )
+    assert status == 0
+    offline = load_file(str(latent))
+    assert torch.equal(offline["latent_tensor"], served)
+    assert "latent_format_version_0" in offline, "ComfyUI's LoadLatent would rescale latents without it"
+    assert output.stat().st_size > 0
