@@ -2,7 +2,7 @@
 
 Writes, for every workflow in WORKFLOWS:
 
-* `tests/api_workflows/wanvace_<name>.json`: the API-format graph (what `/prompt` takes);
+* `workflows/api/wanvace_<name>.json`: the API-format graph (what `/prompt` takes);
 * `workflows/<title>.json`: the same graph in the graph editor's UI (litegraph) format, which
   ComfyUI lists in its template browser under this package. The frontend (1.32 and 1.49) shows a
   custom node pack's template with its file name as title and `<title>.jpg` beside it as thumbnail,
@@ -70,7 +70,7 @@ from workflow_graphs import (  # noqa: E402
     build_ui_layout,
 )
 
-API_DIR = TESTS_DIR / "api_workflows"
+API_DIR = REPO_ROOT / "workflows" / "api"
 UI_DIR = REPO_ROOT / "workflows"
 
 # Input types the frontend draws as a widget (unless `forceInput`); every other type is a socket.
@@ -591,7 +591,7 @@ def expected_files(object_info: dict | None) -> dict[Path, str]:
 
 
 def unexpected_files() -> list[Path]:
-    """Files in workflows/ and tests/api_workflows/ that no workflow writes (renamed or removed ones)."""
+    """Files in workflows/ and workflows/api/ that no workflow writes (renamed or removed ones)."""
     wanted = {api_path(t) for t in WORKFLOWS} | {ui_path(t) for t in WORKFLOWS} | {thumbnail_path(t) for t in WORKFLOWS}
     found = [p for d in (API_DIR, UI_DIR) if d.is_dir() for p in d.iterdir() if p.is_file()]
     return sorted(p for p in found if p not in wanted)

@@ -2,7 +2,7 @@
 
 `scripts/make_workflows.py` writes `workflows/<title>.json` (UI format; the template browser of
 frontends 1.32 and 1.49 titles a pack's template with its file name), its thumbnail
-`workflows/<title>.jpg`, and `tests/api_workflows/wanvace_<name>.json` (API format), all from
+`workflows/<title>.jpg`, and `workflows/api/wanvace_<name>.json` (API format), all from
 `tests/workflow_graphs.py`. The pack copies `example_inputs/` into ComfyUI's input folder when it
 loads (`nodes/examples.py`), so the files the workflows name are there.
 
@@ -38,7 +38,7 @@ from workflow_graphs import (
 pytestmark = pytest.mark.integration
 
 WORKFLOWS_DIR = REPO_ROOT / "workflows"
-API_DIR = REPO_ROOT / "tests" / "api_workflows"
+API_DIR = REPO_ROOT / "workflows" / "api"
 EXAMPLE_DIR = REPO_ROOT / "example_inputs"
 REGENERATE = "run `.venvs/current/bin/python scripts/make_workflows.py`"
 

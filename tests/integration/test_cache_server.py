@@ -23,7 +23,7 @@ from wanvace_core import (
 
 pytestmark = pytest.mark.integration
 
-API_DIR = Path(__file__).resolve().parents[1] / "api_workflows"
+API_DIR = Path(__file__).resolve().parents[2] / "workflows" / "api"
 CACHE_WIDGETS = {
     "mode": "DBCache+TaylorSeer",
     "Fn_compute_blocks": 1,
