@@ -12,6 +12,7 @@ from .lora import WanVACELoraLoader
 from .offload import WanVACEOffloadOptions
 from .parallel import WanVACEParallelOptions
 from .sampler import WanVACESampler
+from .videos_api import install_videos_api
 from .windows import WanVACEContextWindows
 
 
@@ -21,8 +22,10 @@ class WanVACEExtension(ComfyExtension):
         install_example_inputs()
 
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
-        # ComfyUI 0.3.75 never calls on_load; the copy runs once either way.
+        # ComfyUI 0.3.75 never calls on_load; the copy runs once either way. The videos API's routes must be on
+        # the server before it starts listening, which is after the nodes load.
         install_example_inputs()
+        install_videos_api()
         return [
             WanVACEModelLoader,
             WanVACEExpertsLoader,

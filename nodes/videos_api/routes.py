@@ -1,0 +1,324 @@
+"""The videos API's routes on ComfyUI's own server: `POST /v1/videos/sync`, `POST /v1/videos`, `GET /v1/videos`,
+`GET /v1/videos/{id}`, `GET /v1/videos/{id}/content`, `DELETE /v1/videos/{id}` (ComfyUI also serves each under
+`/api`).
+
+Uploads are streamed to the job's own folder under ComfyUI's temp directory, never past ComfyUI's
+`--max-upload-size` (the limit of its own uploads), and removed when the job ends or is deleted. The model is
+`model`, else the `WANVACE_API_MODEL` environment variable; either must name a folder the WanVACE Model Loader
+lists.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import folder_paths
+from aiohttp import web
+
+from .fields import (
+    FILE_FIELDS,
+    NUMBER_FIELDS,
+    ApiError,
+    Upload,
+    build_request,
+    decode_data_uri,
+    kind_of,
+    parse_extra,
+    parse_number,
+    refuse_unknown,
+)
+from .jobs import ComfyClient, VideoJob, VideoJobs, job_folder
+from .prompts import build_prompt
+
+logger = logging.getLogger(__name__)
+
+MODEL_ENV = "WANVACE_API_MODEL"
+CHUNK = 1 << 16
+_DATA_URI_FIELDS = {"video_reference": "video", "image_reference": "image"}
+_EXTRA_FILES = ("mask", "last_image")
+_SUFFIX = {"image": ".png", "video": ".mp4"}
+
+
+def _upload_limit() -> int:
+    from comfy.cli_args import args
+
+    return int(args.max_upload_size * 1024 * 1024)
+
+
+def _error(error: ApiError) -> web.Response:
+    return web.json_response(error.body(), status=error.status)
+
+
+def _model(requested: str | None) -> str:
+    from ..loader import list_model_folders
+
+    listed = list_model_folders()
+    model = requested or os.environ.get(MODEL_ENV) or None
+    if model is None:
+        raise ApiError(
+            400,
+            f"model is required (no default is set: set {MODEL_ENV} when starting ComfyUI); the models are: "
+            + (", ".join(listed) or "none (put a pipeline folder into ComfyUI's models/diffusers)"),
+            param="model",
+        )
+    if model not in listed:
+        raise ApiError(
+            404,
+            f"model {model!r} is not listed; the models are: {', '.join(listed) or 'none'}.",
+            param="model",
+            code="model_not_found",
+        )
+    return model
+
+
+async def _write_part(part, path: Path, name: str, limit: int) -> bytes:
+    """Streams one multipart file part to `path`; returns its first bytes."""
+    written, head = 0, b""
+    with open(path, "wb") as out:
+        while chunk := await part.read_chunk(CHUNK):
+            written += len(chunk)
+            if written > limit:
+                raise ApiError(413, f"{name} is larger than the server's upload limit of {limit} bytes.", param=name)
+            if len(head) < 16:
+                head += chunk[: 16 - len(head)]
+            out.write(chunk)
+    if written == 0:
+        raise ApiError(400, f"{name} is empty.", param=name)
+    return head
+
+
+async def _read_text(part, name: str, limit: int) -> str:
+    data = bytearray()
+    while chunk := await part.read_chunk(CHUNK):
+        data += chunk
+        if len(data) > limit:
+            raise ApiError(413, f"{name} is larger than the server's upload limit of {limit} bytes.", param=name)
+    try:
+        return data.decode(part.get_charset(default="utf-8"))
+    except (UnicodeDecodeError, LookupError):
+        raise ApiError(400, f"{name} is not UTF-8 text.", param=name) from None
+
+
+def _write_decoded(folder: Path, name: str, data: bytes, expected: str | None) -> str:
+    kind = kind_of(name, None, data[:16])
+    if expected is not None and kind != expected:
+        raise ApiError(
+            400,
+            f"{name} is a file of kind {kind}; it must be an {expected}."
+            if expected == "image"
+            else f"{name} is a file of kind {kind}; it must be a {expected}.",
+            param=name,
+        )
+    path = folder / f"{name.replace('.', '_')}{_SUFFIX[kind]}"
+    path.write_bytes(data)
+    return str(path)
+
+
+async def _parse(request: web.Request, folder: Path) -> dict:
+    """Reads the multipart form into the job's folder; returns the `build_request` arguments."""
+    if not request.content_type.startswith("multipart/form-data"):
+        raise ApiError(400, "send the fields as multipart/form-data (curl -F name=value).", param=None)
+    limit = _upload_limit()
+    values, uploads, files, data_uris = {}, [], {}, {}
+    reader = await request.multipart()
+    while (part := await reader.next()) is not None:
+        name = part.name or ""
+        refuse_unknown(name)
+        if name in FILE_FIELDS:
+            if not part.filename:
+                raise ApiError(400, f"{name} must be a file upload (curl -F {name}=@file).", param=name)
+            path = folder / f"{name}.upload"
+            head = await _write_part(part, path, name, limit)
+            kind = kind_of(name, part.headers.get("Content-Type"), head)
+            final = path.with_suffix(_SUFFIX[kind])
+            path.rename(final)
+            uploads.append(Upload(name, str(final), kind))
+            continue
+        text = await _read_text(part, name, limit)
+        if name in NUMBER_FIELDS:
+            values[name] = parse_number(name, text.strip())
+        elif name in _DATA_URI_FIELDS:
+            values[name] = True
+            data_uris[name] = text
+        else:
+            values[name] = text
+    for name, text in data_uris.items():
+        if uploads:
+            raise ApiError(
+                400,
+                f"{name} and input_reference cannot both be given; send one reference (an image for image-to-video, "
+                "a video for video-to-video).",
+                param=name,
+            )
+        kind = _DATA_URI_FIELDS[name]
+        files[kind] = _write_decoded(folder, name, decode_data_uri(name, text, limit), kind)
+    extra = parse_extra(values.get("extra_params"))
+    for name in _EXTRA_FILES:
+        if name in extra:
+            param = f"extra_params.{name}"
+            files[name] = _write_decoded(folder, param, decode_data_uri(param, str(extra[name]), limit), "image")
+    if "reference_images" in extra:
+        references = extra["reference_images"]
+        if not isinstance(references, list) or not references:
+            raise ApiError(
+                400, "extra_params.reference_images must be a list of data: URIs.", "extra_params.reference_images"
+            )
+        files["references"] = [
+            _write_decoded(
+                folder,
+                f"extra_params.reference_images.{index}",
+                decode_data_uri("extra_params.reference_images", str(uri), limit),
+                "image",
+            )
+            for index, uri in enumerate(references)
+        ]
+    return {"values": values, "uploads": uploads, "files": files}
+
+
+class VideosApi:
+    """The routes, bound to one server's jobs."""
+
+    def __init__(self, jobs: VideoJobs, temp_dir: str) -> None:
+        self.jobs = jobs
+        self.temp_dir = temp_dir
+
+    async def _create(self, request: web.Request) -> VideoJob:
+        job_id = self.jobs.new_id()
+        folder = job_folder(self.temp_dir, job_id)
+        try:
+            parsed = await _parse(request, folder)
+            video = build_request(**parsed)
+            model = _model(video.model)
+            job = VideoJob(id=job_id, request=video, model=model, folder=folder)
+            prompt, job.save_node, job.sampler_node = build_prompt(video, job_id, model, self.temp_dir)
+            await self.jobs.submit(job, prompt)
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        return job
+
+    async def create(self, request: web.Request) -> web.Response:
+        try:
+            job = await self._create(request)
+        except ApiError as error:
+            return _error(error)
+        return web.json_response(job.record())
+
+    async def create_sync(self, request: web.Request) -> web.StreamResponse:
+        try:
+            job = await self._create(request)
+        except ApiError as error:
+            return _error(error)
+        try:
+            await self.jobs.wait(job)
+        except BaseException:
+            # The client went away: its job is not left running for nobody.
+            with contextlib.suppress(Exception):
+                await self.jobs.delete(job)
+            raise
+        if job.status != "completed":
+            return web.json_response(
+                {
+                    "error": {
+                        "message": job.error["message"],
+                        "type": "server_error",
+                        "param": None,
+                        "code": job.error["code"],
+                    }
+                },
+                status=500,
+            )
+        return web.FileResponse(job.output, headers={"Content-Type": "video/mp4", "X-Video-Id": job.id})
+
+    async def retrieve(self, request: web.Request) -> web.Response:
+        try:
+            job = self.jobs.get(request.match_info["video_id"])
+        except ApiError as error:
+            return _error(error)
+        await self.jobs.refresh(job)
+        return web.json_response(job.record())
+
+    async def list(self, _request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [job.record() for job in self.jobs.jobs.values()]})
+
+    async def content(self, request: web.Request) -> web.StreamResponse:
+        try:
+            job = self.jobs.get(request.match_info["video_id"])
+            await self.jobs.refresh(job)
+            if job.status != "completed" or job.output is None or not job.output.is_file():
+                raise ApiError(
+                    404 if job.status == "failed" else 409,
+                    f"video {job.id} is {job.status}; its content is there once it is completed.",
+                    param="video_id",
+                    code="video_not_ready",
+                )
+        except ApiError as error:
+            return _error(error)
+        return web.FileResponse(job.output, headers={"Content-Type": "video/mp4"})
+
+    async def delete(self, request: web.Request) -> web.Response:
+        try:
+            job = self.jobs.get(request.match_info["video_id"])
+        except ApiError as error:
+            return _error(error)
+        await self.jobs.delete(job)
+        return web.json_response({"id": job.id, "object": "video.deleted", "deleted": True})
+
+
+def _base_url(server) -> tuple[str, bool | None]:
+    from comfy.cli_args import args
+
+    address = getattr(server, "address", None) or "127.0.0.1"
+    if address in ("0.0.0.0", ""):
+        address = "127.0.0.1"
+    elif address == "::":
+        address = "::1"
+    host = f"[{address}]" if ":" in address else address
+    tls = bool(getattr(args, "tls_keyfile", None) and getattr(args, "tls_certfile", None))
+    # Our own server: its certificate may be self-signed, and the address is its own.
+    return f"{'https' if tls else 'http'}://{host}:{server.port}", (False if tls else None)
+
+
+_installed = False
+
+
+def install_videos_api() -> None:
+    """Adds the routes to ComfyUI's server (once; ComfyUI registers them when it starts listening)."""
+    global _installed
+    if _installed:
+        return
+    from server import PromptServer
+
+    server = PromptServer.instance
+    api = _LazyApi(server)
+    routes = server.routes
+    routes.post("/v1/videos/sync")(api.call("create_sync"))
+    routes.post("/v1/videos")(api.call("create"))
+    routes.get("/v1/videos")(api.call("list"))
+    routes.get("/v1/videos/{video_id}")(api.call("retrieve"))
+    routes.get("/v1/videos/{video_id}/content")(api.call("content"))
+    routes.delete("/v1/videos/{video_id}")(api.call("delete"))
+    _installed = True
+
+
+class _LazyApi:
+    """Builds the `VideosApi` at the first request: the server's address and port are known only once it listens."""
+
+    def __init__(self, server) -> None:
+        self.server = server
+        self.api: VideosApi | None = None
+
+    def call(self, method: str):
+        async def handler(request: web.Request) -> web.StreamResponse:
+            if self.api is None:
+                base_url, ssl = _base_url(self.server)
+                jobs = VideoJobs(ComfyClient(base_url, ssl), folder_paths.get_output_directory())
+                self.api = VideosApi(jobs, folder_paths.get_temp_directory())
+            return await getattr(self.api, method)(request)
+
+        handler.__name__ = f"wanvace_videos_{method}"
+        return handler
