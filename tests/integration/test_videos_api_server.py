@@ -331,3 +331,141 @@ def test_memory_stays_flat_over_twenty_jobs(api_server):
     print(f"server RSS over 20 jobs: {before / 2**20:.0f} MiB -> {after / 2**20:.0f} MiB ({growth:+.1f} MiB)")
     assert growth < 64, f"RSS grew {growth:.1f} MiB over 20 jobs"
     assert _temp_files(api_server) == []
+
+
+# --- the README's commands, as written ---------------------------------------------------------------------
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+# The README's values for the real model, and the tiny model's.
+TINY_VALUES = {
+    "http://127.0.0.1:8188": None,  # the test server's address
+    "width=832": "width=64",
+    "height=480": "height=48",
+    "size=832x480": "size=64x48",
+    "num_frames=81": "num_frames=9",
+    "num_inference_steps=30": "num_inference_steps=2",
+}
+
+
+def _readme_client_commands() -> str:
+    section = README.read_text().split("## Videos API")[1].split("\n## ")[0]
+    blocks = section.split("```bash\n")[1:]
+    (commands,) = [block.split("```")[0] for block in blocks if "curl" in block]
+    return commands
+
+
+def test_the_readme_curl_commands_run_as_written(api_server, tmp_path):
+    import shutil
+    import subprocess
+
+    if shutil.which("curl") is None or shutil.which("jq") is None:
+        pytest.skip("SKIPPED: the README's commands need curl and jq")
+    commands = _readme_client_commands()
+    for real, tiny in TINY_VALUES.items():
+        assert real in commands, f"the README's commands no longer hold {real!r}"
+        commands = commands.replace(real, tiny or api_server.url)
+    (tmp_path / "first.png").write_bytes(_png_bytes(9))
+    done = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", commands], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    for name in ("t2v.mp4", "i2v.mp4"):
+        frames = _frames((tmp_path / name).read_bytes())
+        assert frames.shape == (FRAMES, HEIGHT, WIDTH, 3), name
+    lines = done.stdout.splitlines()
+    assert json.loads(lines[-1])["deleted"] is True
+    assert _temp_files(api_server) == []
+
+
+# --- the VACE extras, and ComfyUI's Cancel ---------------------------------------------------------------------
+
+
+def _data_uri(data: bytes, media_type: str) -> str:
+    import base64
+
+    return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
+
+
+def _mov_bytes(frames: int, seed: int, width: int = WIDTH) -> bytes:
+    """A PNG-coded (lossless, rgb24) video."""
+    import av
+
+    buffer = io.BytesIO()
+    generator = np.random.default_rng(seed)
+    with av.open(buffer, "w", format="mov") as container:
+        stream = container.add_stream("png", rate=16)
+        stream.width, stream.height, stream.pix_fmt = width, HEIGHT, "rgb24"
+        for _ in range(frames):
+            pixels = generator.integers(0, 256, size=(HEIGHT, width, 3), dtype=np.uint8)
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")))
+        container.mux(stream.encode())
+    return buffer.getvalue()
+
+
+def _mask_uri() -> str:
+    pixels = np.zeros((HEIGHT, WIDTH, 3), dtype=np.uint8)
+    pixels[8:32, 16:48] = 255
+    buffer = io.BytesIO()
+    PIL.Image.fromarray(pixels).save(buffer, format="PNG")
+    return _data_uri(buffer.getvalue(), "image/png")
+
+
+@pytest.mark.parametrize(
+    ("extra", "fields"),
+    [
+        ({"mode": "flf2v", "last_image": _data_uri(_png_bytes(12), "image/png")}, {"image": True}),
+        ({"mode": "inpaint", "mask": _mask_uri()}, {"video": FRAMES}),
+        ({"mode": "outpaint", "outpaint": {"left": 16, "right": 16}}, {"video": FRAMES, "width": 32}),
+        ({"mode": "extension", "given_frames": 5}, {"video": 5}),
+        ({"mode": "v2v", "strength": 0.8, "vace_end_percent": 0.5, "scheduler": "euler"}, {"video": FRAMES}),
+    ],
+    ids=["flf2v", "inpaint", "outpaint", "extension", "v2v"],
+)
+def test_extra_params_run_every_vace_mode(api_server, extra, fields):
+    form = _form(**FIELDS, extra_params=json.dumps(extra))
+    if fields.get("image"):
+        form["input_reference"] = ("first.png", _png_bytes(11), "image/png")
+    if "video" in fields:
+        video = _mov_bytes(fields["video"], 13, width=fields.get("width", WIDTH))
+        form["video_reference"] = (None, _data_uri(video, "video/quicktime"))
+    answer = api_server.http.post(f"{api_server.url}/v1/videos/sync", files=form, timeout=300)
+    assert answer.status_code == 200, answer.text
+    assert _frames(answer.content).shape == (FRAMES, HEIGHT, WIDTH, 3)
+    assert _temp_files(api_server) == []
+
+
+def test_reference_images_cache_and_context_windows_reach_the_sampler(api_server):
+    extra = {
+        "mode": "r2v",
+        "reference_images": [_data_uri(_png_bytes(seed), "image/png") for seed in (14, 15)],
+        "cache": {"mode": "DBCache+TaylorSeer", "residual_diff_threshold": 0.3, "max_warmup_steps": 1},
+        "context_windows": {"context_length": 17, "context_overlap": 8},
+    }
+    fields = {**FIELDS, "num_frames": "33", "num_inference_steps": "6", "extra_params": json.dumps(extra)}
+    answer = api_server.http.post(f"{api_server.url}/v1/videos/sync", files=_form(**fields), timeout=300)
+    assert answer.status_code == 200, answer.text
+    assert _frames(answer.content).shape[0] == 33
+    video_id = answer.headers["X-Video-Id"]
+    (entry,) = [
+        e for e in api_server.get("/history").json().values() if e["prompt"][3].get("wanvace_video") == video_id
+    ]
+    prompt = entry["prompt"][2]
+    assert sum(node["class_type"] == "LoadImage" for node in prompt.values()) == 2
+    report = json.dumps(entry["outputs"])
+    # The sampler's cache report: TaylorSeer ran, on each of the three windows.
+    assert "TaylorSeer (order 1)" in report and "(3 windows)" in report, report
+
+
+def test_comfyuis_cancel_fails_the_job_as_cancelled_and_the_next_job_runs(api_server):
+    video_id = _long_job(api_server, 41)
+    deadline = time.monotonic() + 60
+    while api_server.get(f"/v1/videos/{video_id}").json()["progress"] < 1:
+        assert time.monotonic() < deadline, "the long job never made progress"
+        time.sleep(0.05)
+    api_server.interrupt()  # what the graph editor's Cancel sends
+    record = _wait(api_server, video_id)
+    assert record["status"] == "failed" and record["error"]["code"] == "cancelled", record
+    assert api_server.get(f"/v1/videos/{video_id}/content").status_code == 404
+    answer = api_server.http.post(f"{api_server.url}/v1/videos/sync", files=_form(**FIELDS), timeout=300)
+    assert answer.status_code == 200
+    assert _temp_files(api_server) == []
