@@ -31,6 +31,7 @@ HISTORY_POLL_S = 1.0
 # Which node's rejection names which request field.
 PARAM_OF_NODE = {
     "WanVACEModelLoader": "model",
+    "WanVACEExpertsLoader": "model",
     "WanVACELoraLoader": "lora",
     "WanVACECacheOptions": "extra_params.cache",
     "WanVACEContextWindows": "extra_params.context_windows",

@@ -109,15 +109,29 @@ def _option_node(graph: _Graph, class_type: str, defaults: dict, given: object, 
     return graph.add(class_type, **{**defaults, **given})
 
 
-def build_prompt(request: VideoRequest, job_id: str, model: str, temp_dir: str) -> tuple[dict, str, str]:
-    """The prompt, its SaveVideo node's id and its sampler's id."""
+# The WanVACE Experts Loader's inputs a single-file set leaves at the shipped workflow's values.
+EXPERTS_LOADER_DEFAULTS = {"dtype": "bf16", "weight_dtype": "auto", "boundary_ratio": 0.875}
+
+
+def build_prompt(
+    request: VideoRequest, job_id: str, model: str, temp_dir: str, single_files: dict | None = None
+) -> tuple[dict, str, str]:
+    """The prompt, its SaveVideo node's id and its sampler's id. `single_files`: the model is that single-file set,
+    loaded by the WanVACE Experts Loader in place of the Model Loader."""
     mode = request.mode
     _files(request, mode)
     workflow = json.loads((WORKFLOW_DIR / f"wanvace_{mode}.json").read_text())
     graph = _Graph(copy.deepcopy(workflow))
     width, height, length = request.width, request.height, request.num_frames
     extra = request.extra
-    graph.set("WanVACEModelLoader", model_name=model)
+    if single_files is None:
+        graph.set("WanVACEModelLoader", model_name=model)
+    else:
+        (loader_id,) = graph.ids("WanVACEModelLoader")
+        graph.nodes[loader_id] = {
+            "class_type": "WanVACEExpertsLoader",
+            "inputs": {**EXPERTS_LOADER_DEFAULTS, **single_files},
+        }
     conditioning = {
         "positive": request.prompt,
         "negative": request.negative_prompt,

@@ -4,13 +4,15 @@
 
 Uploads are streamed to the job's own folder under ComfyUI's temp directory, never past ComfyUI's
 `--max-upload-size` (the limit of its own uploads), and removed when the job ends or is deleted. The model is
-`model`, else the `WANVACE_API_MODEL` environment variable; either must name a folder the WanVACE Model Loader
-lists.
+`model`, else the `WANVACE_API_MODEL` environment variable, else `default_model` in ComfyUI's
+`user/wanvace_videos_api.json`; it names a folder the WanVACE Model Loader lists, or a single-file set that file
+defines (`single_file_models`: name -> the WanVACE Experts Loader's files).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -53,15 +55,48 @@ def _error(error: ApiError) -> web.Response:
     return web.json_response(error.body(), status=error.status)
 
 
-def _model(requested: str | None) -> str:
+SETTINGS_FILE = "wanvace_videos_api.json"
+# A single-file model set: the WanVACE Experts Loader's file inputs (the four first are required).
+SET_FILES = ("high_noise_model", "low_noise_model", "text_encoder", "vae")
+SET_OPTIONS = ("dtype", "weight_dtype", "boundary_ratio", "high_noise_vace_module", "low_noise_vace_module")
+
+
+def _settings() -> tuple[Path, dict]:
+    """ComfyUI's user folder's `wanvace_videos_api.json`: `default_model` and named `single_file_models`."""
+    path = Path(folder_paths.get_user_directory()) / SETTINGS_FILE
+    if not path.is_file():
+        return path, {}
+    try:
+        settings = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ApiError(500, f"the videos API's settings file {path} is not readable JSON ({error}).") from None
+    sets = settings.get("single_file_models", {}) if isinstance(settings, dict) else None
+    if not isinstance(sets, dict) or set(settings) - {"default_model", "single_file_models"}:
+        raise ApiError(
+            500, f"{path} must be a JSON object with default_model (a name) and single_file_models (name -> files)."
+        )
+    for name, files in sets.items():
+        if not isinstance(files, dict) or set(SET_FILES) - set(files) or set(files) - {*SET_FILES, *SET_OPTIONS}:
+            raise ApiError(
+                500,
+                f"{path}: single_file_models[{name!r}] must name {', '.join(SET_FILES)} (and may set "
+                f"{', '.join(SET_OPTIONS)}), as the WanVACE Experts Loader takes them.",
+            )
+    return path, settings
+
+
+def _model(requested: str | None) -> tuple[str, dict | None]:
+    """The model's name and, for a single-file set, its Experts Loader inputs (None for a pipeline folder)."""
     from ..loader import list_model_folders
 
-    listed = list_model_folders()
-    model = requested or os.environ.get(MODEL_ENV) or None
+    path, settings = _settings()
+    sets = settings.get("single_file_models", {})
+    listed = [*list_model_folders(), *sorted(sets)]
+    model = requested or os.environ.get(MODEL_ENV) or settings.get("default_model") or None
     if model is None:
         raise ApiError(
             400,
-            f"model is required (no default is set: set {MODEL_ENV} when starting ComfyUI); the models are: "
+            f"model is required: no default is set ({MODEL_ENV}, or default_model in {path}); the models are: "
             + (", ".join(listed) or "none (put a pipeline folder into ComfyUI's models/diffusers)"),
             param="model",
         )
@@ -72,7 +107,7 @@ def _model(requested: str | None) -> str:
             param="model",
             code="model_not_found",
         )
-    return model
+    return model, sets.get(model)
 
 
 async def _write_part(part, path: Path, name: str, limit: int) -> bytes:
@@ -192,9 +227,9 @@ class VideosApi:
         try:
             parsed = await _parse(request, folder)
             video = build_request(**parsed)
-            model = _model(video.model)
+            model, single_files = _model(video.model)
             job = VideoJob(id=job_id, request=video, model=model, folder=folder)
-            prompt, job.save_node, job.sampler_node = build_prompt(video, job_id, model, self.temp_dir)
+            prompt, job.save_node, job.sampler_node = build_prompt(video, job_id, model, self.temp_dir, single_files)
             await self.jobs.submit(job, prompt)
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)

@@ -469,3 +469,32 @@ def test_comfyuis_cancel_fails_the_job_as_cancelled_and_the_next_job_runs(api_se
     answer = api_server.http.post(f"{api_server.url}/v1/videos/sync", files=_form(**FIELDS), timeout=300)
     assert answer.status_code == 200
     assert _temp_files(api_server) == []
+
+
+def test_a_single_file_set_named_in_the_settings_file_is_a_model(api_server):
+    shipped = json.loads((API_DIR / "wanvace_i2v_fp8.json").read_text())
+    loader = shipped[node_id_of(shipped, "WanVACEExpertsLoader")]["inputs"]
+    files = {name: loader[name] for name in ("high_noise_model", "low_noise_model", "text_encoder", "vae")}
+    settings = api_server.base_dir / "user" / "wanvace_videos_api.json"
+    broken = {**files, "vae": "no_such_vae.safetensors"}
+    settings.write_text(json.dumps({"single_file_models": {"tiny-fp8-files": files, "broken-files": broken}}))
+    try:
+        answer = api_server.http.post(
+            f"{api_server.url}/v1/videos/sync", files=_form(**FIELDS, model="tiny-fp8-files"), timeout=300
+        )
+        assert answer.status_code == 200, answer.text
+        assert _frames(answer.content).shape == (FRAMES, HEIGHT, WIDTH, 3)
+        video_id = answer.headers["X-Video-Id"]
+        (entry,) = [
+            e for e in api_server.get("/history").json().values() if e["prompt"][3].get("wanvace_video") == video_id
+        ]
+        assert [node["class_type"] for node in entry["prompt"][2].values()].count("WanVACEExpertsLoader") == 1
+        refused = api_server.http.post(f"{api_server.url}/v1/videos", files=_form(**FIELDS, model="broken-files"))
+        status, param, message = _error_of(refused)
+        assert (status, param) == (400, "model") and "no_such_vae.safetensors" in message, message
+        unknown = api_server.http.post(f"{api_server.url}/v1/videos", files=_form(**FIELDS, model="nope"))
+        status, param, message = _error_of(unknown)
+        assert (status, param) == (404, "model") and "tiny-fp8-files" in message and TINY_MODEL in message
+    finally:
+        settings.unlink()
+    assert _temp_files(api_server) == []
