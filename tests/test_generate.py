@@ -181,3 +181,20 @@ def test_inputs_of_another_size_are_centre_cropped_and_resized():
     fields = task_inputs("i2v", WIDTH, HEIGHT, 9, image=wide)
     assert fields["control_video"].shape == (1, HEIGHT, WIDTH, 3)
     assert 0.0 <= float(fields["control_video"].min()) and float(fields["control_video"].max()) <= 1.0
+
+
+def test_the_readme_tiny_model_commands_run_as_written(tmp_path):
+    section = (REPO / "README.md").read_text().split("## Offline command")[1].split("\n## ")[0]
+    (commands,) = [block.split("```")[0] for block in section.split("```bash\n")[1:] if "load.tiny" in block]
+    assert ".venvs/current/bin/python" in commands and "/tmp/" in commands
+    commands = commands.replace(".venvs/current/bin/python", sys.executable).replace("/tmp/", f"{tmp_path}/")
+    done = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", commands],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={name: value for name, value in os.environ.items() if name != "PYTHONPATH"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _frames_of(tmp_path / "out.mp4").shape == (9, HEIGHT, WIDTH, 3)
