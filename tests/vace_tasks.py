@@ -142,3 +142,22 @@ def long_inputs(task: str) -> VACEInputs:
     if task == "r2v":
         fields["reference_images"] = torch.rand(2, 32, 48, 3, generator=generator)
     return VACEInputs(PROMPT, NEGATIVE, WIDTH, HEIGHT, LONG, **fields)
+
+
+def lossless_video(frames: int, seed: int, width: int = WIDTH, height: int = HEIGHT) -> bytes:
+    """A PNG-coded MOV of random frames (rgb24, lossless), which both ComfyUI versions and the offline command read
+    as the same 8-bit RGB over 255."""
+    import io
+
+    import av
+
+    buffer = io.BytesIO()
+    generator = np.random.default_rng(seed)
+    with av.open(buffer, "w", format="mov") as container:
+        stream = container.add_stream("png", rate=16)
+        stream.width, stream.height, stream.pix_fmt = width, height, "rgb24"
+        for _ in range(frames):
+            pixels = generator.integers(0, 256, size=(height, width, 3), dtype=np.uint8)
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")))
+        container.mux(stream.encode())
+    return buffer.getvalue()

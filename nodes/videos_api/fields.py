@@ -110,7 +110,7 @@ class VideoRequest:
     flow_shift: float | None
     seed: int
     mode: str
-    files: dict = field(default_factory=dict)  # input name (image, last_image, video, mask, references) -> paths
+    files: dict = field(default_factory=dict)  # input name (image, last_image, video, mask, reference) -> paths
     lora: tuple[str, float] | None = None
     extra: dict = field(default_factory=dict)
 

@@ -5,46 +5,28 @@ job's own output prefix. Nothing here runs anything; the prompt goes through Com
 from __future__ import annotations
 
 import copy
+import dataclasses
+import inspect
 import json
 from pathlib import Path
 
+from ...wanvace_core import ContextWindowOptions
+from ...wanvace_core.generation.tasks import MODE_INPUTS
+from ..cache import WanVACECacheOptions
 from .fields import ApiError, VideoRequest
 
 WORKFLOW_DIR = Path(__file__).resolve().parents[2] / "workflows" / "api"
 OUTPUT_PREFIX = "wanvace_api"
 # Frames the extension task keeps from the given video unless extra_params.given_frames says otherwise.
 DEFAULT_GIVEN_FRAMES = 17
-# What each mode reads besides the prompt: file names in VideoRequest.files.
-NEEDS = {
-    "t2v": (),
-    "i2v": ("image",),
-    "flf2v": ("image", "last_image"),
-    "r2v": ("references",),
-    "v2v": ("video",),
-    "inpaint": ("video", "mask"),
-    "outpaint": ("video",),
-    "extension": ("video",),
-}
+# What each mode reads besides the prompt, as files (outpainting's padding is a number, not a file).
+NEEDS = {mode: tuple(name for name in names if name != "outpaint") for mode, names in MODE_INPUTS.items()}
+# The option nodes' inputs, at their defaults, which extra_params.cache / .context_windows override.
 CACHE_DEFAULTS = {
-    "mode": "DBCache",
-    "Fn_compute_blocks": 1,
-    "Bn_compute_blocks": 0,
-    "residual_diff_threshold": 0.08,
-    "max_warmup_steps": 2,
-    "max_cached_steps": -1,
-    "low_noise_max_warmup_steps": 2,
-    "low_noise_max_cached_steps": -1,
-    "taylorseer_order": 1,
+    name: parameter.default
+    for name, parameter in inspect.signature(WanVACECacheOptions.options_from).parameters.items()
 }
-WINDOW_DEFAULTS = {
-    "context_length": 81,
-    "context_overlap": 16,
-    "schedule": "standard_static",
-    "context_stride": 1,
-    "closed_loop": False,
-    "fuse_method": "pyramid",
-    "freenoise": True,
-}
+WINDOW_DEFAULTS = dataclasses.asdict(ContextWindowOptions())
 
 
 def temp_name(path: str, temp_dir: str) -> str:
@@ -80,7 +62,7 @@ def _files(request: VideoRequest, mode: str) -> None:
         where = {
             "image": "input_reference (an image)",
             "last_image": "extra_params.last_image",
-            "references": "extra_params.reference_images",
+            "reference": "extra_params.reference_images",
             "video": "input_reference (a video) or video_reference",
             "mask": "extra_params.mask",
         }
@@ -170,7 +152,7 @@ def build_prompt(
         graph.set_all("EmptyImage", width=width, height=height, batch_size=length - 2)
         graph.set_all("SolidMask", width=width, height=height)
     elif mode == "r2v":
-        _references(graph, [temp_name(path, temp_dir) for path in files["references"]])
+        _references(graph, [temp_name(path, temp_dir) for path in files["reference"]])
     elif mode in ("v2v", "inpaint", "outpaint", "extension"):
         graph.set("LoadVideo", file=name["video"])
         given = length

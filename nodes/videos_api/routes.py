@@ -202,7 +202,7 @@ async def _parse(request: web.Request, folder: Path) -> dict:
             raise ApiError(
                 400, "extra_params.reference_images must be a list of data: URIs.", "extra_params.reference_images"
             )
-        files["references"] = [
+        files["reference"] = [
             _write_decoded(
                 folder,
                 f"extra_params.reference_images.{index}",

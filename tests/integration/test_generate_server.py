@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 from workflow_graphs import TINY_MODEL, for_tiny_model, node_id_of
 
+from tests.vace_tasks import lossless_video
 from wanvace_core import generate
 
 pytestmark = pytest.mark.integration
@@ -40,16 +41,7 @@ def _write_png(path: Path, seed: int, width: int = WIDTH, height: int = HEIGHT, 
 
 
 def _write_mov(path: Path, frames: int, seed: int, width: int = WIDTH) -> Path:
-    import av
-
-    generator = np.random.default_rng(seed)
-    with av.open(str(path), "w") as container:
-        stream = container.add_stream("png", rate=16)
-        stream.width, stream.height, stream.pix_fmt = width, HEIGHT, "rgb24"
-        for _ in range(frames):
-            pixels = generator.integers(0, 256, size=(HEIGHT, width, 3), dtype=np.uint8)
-            container.mux(stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")))
-        container.mux(stream.encode())
+    path.write_bytes(lossless_video(frames, seed, width=width, height=HEIGHT))
     return path
 
 

@@ -19,6 +19,8 @@ import pytest
 from comfy_server import ComfyServer, require_comfyui
 from workflow_graphs import TINY_MODEL, for_tiny_model, node_id_of
 
+from tests.vace_tasks import lossless_video
+
 pytestmark = pytest.mark.integration
 
 API_DIR = Path(__file__).resolve().parents[2] / "workflows" / "api"
@@ -386,22 +388,6 @@ def _data_uri(data: bytes, media_type: str) -> str:
     return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
 
 
-def _mov_bytes(frames: int, seed: int, width: int = WIDTH) -> bytes:
-    """A PNG-coded (lossless, rgb24) video."""
-    import av
-
-    buffer = io.BytesIO()
-    generator = np.random.default_rng(seed)
-    with av.open(buffer, "w", format="mov") as container:
-        stream = container.add_stream("png", rate=16)
-        stream.width, stream.height, stream.pix_fmt = width, HEIGHT, "rgb24"
-        for _ in range(frames):
-            pixels = generator.integers(0, 256, size=(HEIGHT, width, 3), dtype=np.uint8)
-            container.mux(stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")))
-        container.mux(stream.encode())
-    return buffer.getvalue()
-
-
 def _mask_uri() -> str:
     pixels = np.zeros((HEIGHT, WIDTH, 3), dtype=np.uint8)
     pixels[8:32, 16:48] = 255
@@ -426,7 +412,7 @@ def test_extra_params_run_every_vace_mode(api_server, extra, fields):
     if fields.get("image"):
         form["input_reference"] = ("first.png", _png_bytes(11), "image/png")
     if "video" in fields:
-        video = _mov_bytes(fields["video"], 13, width=fields.get("width", WIDTH))
+        video = lossless_video(fields["video"], 13, width=fields.get("width", WIDTH))
         form["video_reference"] = (None, _data_uri(video, "video/quicktime"))
     answer = api_server.http.post(f"{api_server.url}/v1/videos/sync", files=form, timeout=300)
     assert answer.status_code == 200, answer.text
