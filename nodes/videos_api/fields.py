@@ -212,7 +212,7 @@ def _size(values: dict) -> tuple[int, int]:
 def _frames(values: dict, fps: float) -> int:
     frames = values.get("num_frames")
     if frames is None and "seconds" in values:
-        # vLLM-Omni's rule for seconds: that many seconds at fps, rounded to the nearest 4n+1.
+        # That many seconds at fps, rounded to the nearest 4n+1 (Wan's VAE packs 4 frames after the first).
         frames = round(values["seconds"] * fps / 4) * 4 + 1
     frames = DEFAULTS["num_frames"] if frames is None else frames
     if frames < 1 or (frames - 1) % 4:

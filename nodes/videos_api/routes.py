@@ -110,14 +110,27 @@ def _model(requested: str | None) -> tuple[str, dict | None]:
     return model, sets.get(model)
 
 
-async def _write_part(part, path: Path, name: str, limit: int) -> bytes:
+class _Budget:
+    """What is left of the upload limit for the whole request (ComfyUI's limit is per request, too)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.left = limit, limit
+
+    def take(self, size: int, name: str) -> None:
+        self.left -= size
+        if self.left < 0:
+            raise ApiError(
+                413, f"{name} takes the request over the server's upload limit of {self.limit} bytes.", param=name
+            )
+
+
+async def _write_part(part, path: Path, name: str, budget: _Budget) -> bytes:
     """Streams one multipart file part to `path`; returns its first bytes."""
     written, head = 0, b""
     with open(path, "wb") as out:
         while chunk := await part.read_chunk(CHUNK):
+            budget.take(len(chunk), name)
             written += len(chunk)
-            if written > limit:
-                raise ApiError(413, f"{name} is larger than the server's upload limit of {limit} bytes.", param=name)
             if len(head) < 16:
                 head += chunk[: 16 - len(head)]
             out.write(chunk)
@@ -126,12 +139,11 @@ async def _write_part(part, path: Path, name: str, limit: int) -> bytes:
     return head
 
 
-async def _read_text(part, name: str, limit: int) -> str:
+async def _read_text(part, name: str, budget: _Budget) -> str:
     data = bytearray()
     while chunk := await part.read_chunk(CHUNK):
+        budget.take(len(chunk), name)
         data += chunk
-        if len(data) > limit:
-            raise ApiError(413, f"{name} is larger than the server's upload limit of {limit} bytes.", param=name)
     try:
         return data.decode(part.get_charset(default="utf-8"))
     except (UnicodeDecodeError, LookupError):
@@ -158,6 +170,7 @@ async def _parse(request: web.Request, folder: Path) -> dict:
     if not request.content_type.startswith("multipart/form-data"):
         raise ApiError(400, "send the fields as multipart/form-data (curl -F name=value).", param=None)
     limit = _upload_limit()
+    budget = _Budget(limit)
     values, uploads, files, data_uris = {}, [], {}, {}
     reader = await request.multipart()
     while (part := await reader.next()) is not None:
@@ -167,13 +180,13 @@ async def _parse(request: web.Request, folder: Path) -> dict:
             if not part.filename:
                 raise ApiError(400, f"{name} must be a file upload (curl -F {name}=@file).", param=name)
             path = folder / f"{name}.upload"
-            head = await _write_part(part, path, name, limit)
+            head = await _write_part(part, path, name, budget)
             kind = kind_of(name, part.headers.get("Content-Type"), head)
             final = path.with_suffix(_SUFFIX[kind])
             path.rename(final)
             uploads.append(Upload(name, str(final), kind))
             continue
-        text = await _read_text(part, name, limit)
+        text = await _read_text(part, name, budget)
         if name in NUMBER_FIELDS:
             values[name] = parse_number(name, text.strip())
         elif name in _DATA_URI_FIELDS:

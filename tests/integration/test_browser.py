@@ -372,8 +372,10 @@ def test_ui_workflow_matches_converter(object_info, task):
 
 
 def test_workflows_dir_holds_the_workflows_and_thumbnails_with_registered_nodes_only(object_info):
-    expected = [_ui_file(t).name for t in WORKFLOWS] + [_thumbnail(t).name for t in WORKFLOWS]
+    expected = [_ui_file(t).name for t in WORKFLOWS] + [_thumbnail(t).name for t in WORKFLOWS] + [API_DIR.name]
     assert sorted(p.name for p in WORKFLOWS_DIR.iterdir()) == sorted(expected)
+    # The API twins sit in their own folder, which ComfyUI's template browser does not list.
+    assert sorted(p.name for p in API_DIR.iterdir()) == sorted(_api_file(t).name for t in WORKFLOWS)
     registered = set(object_info) | {make_workflows.NOTE_TYPE}
     for task in WORKFLOWS:
         types = {node["type"] for node in _ui(task)["nodes"]}
