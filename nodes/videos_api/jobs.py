@@ -78,6 +78,8 @@ class VideoJob:
             "prompt": self.request.prompt,
             "seconds": self.request.seconds,
             "size": self.request.size,
+            "quality": "default",
+            "media_type": "video/mp4",
             "remixed_from_video_id": None,
         }
 
