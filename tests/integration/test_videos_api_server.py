@@ -272,6 +272,13 @@ def test_bad_uploads_are_refused_naming_the_field(api_server):
     too_large = {**_form(**FIELDS), "input_reference": ("big.png", b"\x89PNG" + bytes(2 * 1024 * 1024), "image/png")}
     status, param, message = _error_of(api_server.http.post(f"{api_server.url}/v1/videos", files=too_large, timeout=60))
     assert (status, param) == (413, "input_reference") and "upload limit" in message
+    # The limit is the request's, as ComfyUI's is: two parts under it each are refused together.
+    halves = {
+        **_form(**{**FIELDS, "prompt": "a bird " * (100 * 1024)}),
+        "input_reference": ("half.png", b"\x89PNG" + bytes(600 * 1024), "image/png"),
+    }
+    status, param, message = _error_of(api_server.http.post(f"{api_server.url}/v1/videos", files=halves, timeout=60))
+    assert (status, param) == (413, "input_reference") and "takes the request over" in message
     assert _temp_files(api_server) == []
 
 
