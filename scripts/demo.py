@@ -3,8 +3,8 @@
     .venvs/current/bin/python scripts/demo.py [--task t2v|i2v|flf2v|r2v|v2v|inpaint|outpaint|extension]
 
 The ComfyUI base folder is .cache/demo (models, inputs, outputs, server.log); the tiny model is
-written there on first use. The workflow is workflows/api/wanvace_<task>.json, the API twin
-of the shipped workflows/WanVACE - <Task>.json, sized down for the tiny model.
+written there on first use. The workflow is example_workflows/api/wanvace_<task>.json, the API twin
+of the shipped example_workflows/WanVACE - <Task>.json, sized down for the tiny model.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def main() -> int:
         shutil.rmtree(model_dir, ignore_errors=True)
         write_tiny_pipeline(model_dir)
     write_example_inputs(args.base_dir / "input")
-    workflow = json.loads((REPO / "workflows" / "api" / f"wanvace_{args.task}.json").read_text())
+    workflow = json.loads((REPO / "example_workflows" / "api" / f"wanvace_{args.task}.json").read_text())
     print(f"starting ComfyUI (log: {server.log_path})", flush=True)
     with server:
         server.start()

@@ -2,12 +2,12 @@
 
 Writes, for every workflow in WORKFLOWS:
 
-* `workflows/api/wanvace_<name>.json`: the API-format graph (what `/prompt` takes);
-* `workflows/<title>.json`: the same graph in the graph editor's UI (litegraph) format, which
+* `example_workflows/api/wanvace_<name>.json`: the API-format graph (what `/prompt` takes);
+* `example_workflows/<title>.json`: the same graph in the graph editor's UI (litegraph) format, which
   ComfyUI lists in its template browser under this package. The frontend (1.32 and 1.49) shows a
   custom node pack's template with its file name as title and `<title>.jpg` beside it as thumbnail,
   so the files are named after WORKFLOW_TITLES ("WanVACE - Image to Video.json").
-* with `--thumbnails`: `workflows/<title>.jpg`, a screenshot of the workflow in the real graph
+* with `--thumbnails`: `example_workflows/<title>.jpg`, a screenshot of the workflow in the real graph
   editor (headless Chromium, tests/browser/check_workflows.mjs), 512 px wide.
 
 The UI conversion needs each node's input and output layout, so a real ComfyUI (the tree of
@@ -70,8 +70,8 @@ from workflow_graphs import (  # noqa: E402
     build_ui_layout,
 )
 
-API_DIR = REPO_ROOT / "workflows" / "api"
-UI_DIR = REPO_ROOT / "workflows"
+API_DIR = REPO_ROOT / "example_workflows" / "api"
+UI_DIR = REPO_ROOT / "example_workflows"
 
 # Input types the frontend draws as a widget (unless `forceInput`); every other type is a socket.
 # ComfyUI 0.33 declares some combos (SaveVideo's format, codec) as dynamic combos, 0.3.75 as plain
@@ -591,7 +591,7 @@ def expected_files(object_info: dict | None) -> dict[Path, str]:
 
 
 def unexpected_files() -> list[Path]:
-    """Files in workflows/ and workflows/api/ that no workflow writes (renamed or removed ones)."""
+    """Files in example_workflows/ and example_workflows/api/ that no workflow writes (renamed or removed ones)."""
     wanted = {api_path(t) for t in WORKFLOWS} | {ui_path(t) for t in WORKFLOWS} | {thumbnail_path(t) for t in WORKFLOWS}
     found = [p for d in (API_DIR, UI_DIR) if d.is_dir() for p in d.iterdir() if p.is_file()]
     return sorted(p for p in found if p not in wanted)
@@ -626,7 +626,7 @@ def to_thumbnail(png: bytes) -> bytes:
 
 
 def write_thumbnails() -> list[Path]:
-    """Screenshot every UI workflow in the real graph editor and write workflows/<title>.jpg."""
+    """Screenshot every UI workflow in the real graph editor and write example_workflows/<title>.jpg."""
     import os
 
     from comfy_server import check_workflows_in_browser

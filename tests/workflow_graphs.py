@@ -1,7 +1,7 @@
 """The shipped workflows, one per VACE task, as API-format graphs built from this package's nodes and core nodes.
 
-`scripts/make_workflows.py` writes these to `workflows/api/wanvace_<name>.json` (API format)
-and `workflows/<title>.json` (the graph editor's UI format, with the layout hints, groups and note
+`scripts/make_workflows.py` writes these to `example_workflows/api/wanvace_<name>.json` (API format)
+and `example_workflows/<title>.json` (the graph editor's UI format, with the layout hints, groups and note
 kept here). `for_tiny_model` shrinks a workflow to the tiny test model so it runs in seconds on a CPU.
 """
 

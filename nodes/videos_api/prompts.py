@@ -1,4 +1,4 @@
-"""A videos-API job as a ComfyUI prompt: the shipped workflow of its task (`workflows/api/`), with the request's
+"""A videos-API job as a ComfyUI prompt: the shipped workflow of its task (`example_workflows/api/`), with the request's
 values set on the nodes that hold them, its files read from the job's temp folder, and its video saved under the
 job's own output prefix. Nothing here runs anything; the prompt goes through ComfyUI's `/prompt` like any other."""
 
@@ -15,7 +15,7 @@ from ...wanvace_core.generation.tasks import MODE_INPUTS
 from ..cache import WanVACECacheOptions
 from .fields import ApiError, VideoRequest
 
-WORKFLOW_DIR = Path(__file__).resolve().parents[2] / "workflows" / "api"
+WORKFLOW_DIR = Path(__file__).resolve().parents[2] / "example_workflows" / "api"
 OUTPUT_PREFIX = "wanvace_api"
 # Frames the extension task keeps from the given video unless extra_params.given_frames says otherwise.
 DEFAULT_GIVEN_FRAMES = 17

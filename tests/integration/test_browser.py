@@ -1,8 +1,8 @@
 """The shipped workflows: templates, example inputs, and how they open in ComfyUI's real graph editor.
 
-`scripts/make_workflows.py` writes `workflows/<title>.json` (UI format; the template browser of
+`scripts/make_workflows.py` writes `example_workflows/<title>.json` (UI format; the template browser of
 frontends 1.32 and 1.49 titles a pack's template with its file name), its thumbnail
-`workflows/<title>.jpg`, and `workflows/api/wanvace_<name>.json` (API format), all from
+`example_workflows/<title>.jpg`, and `example_workflows/api/wanvace_<name>.json` (API format), all from
 `tests/workflow_graphs.py`. The pack copies `example_inputs/` into ComfyUI's input folder when it
 loads (`nodes/examples.py`), so the files the workflows name are there.
 
@@ -37,8 +37,8 @@ from workflow_graphs import (
 
 pytestmark = pytest.mark.integration
 
-WORKFLOWS_DIR = REPO_ROOT / "workflows"
-API_DIR = REPO_ROOT / "workflows" / "api"
+WORKFLOWS_DIR = REPO_ROOT / "example_workflows"
+API_DIR = REPO_ROOT / "example_workflows" / "api"
 EXAMPLE_DIR = REPO_ROOT / "example_inputs"
 REGENERATE = "run `.venvs/current/bin/python scripts/make_workflows.py`"
 

@@ -23,7 +23,7 @@ from wanvace_core import (
 
 pytestmark = pytest.mark.integration
 
-API_DIR = Path(__file__).resolve().parents[2] / "workflows" / "api"
+API_DIR = Path(__file__).resolve().parents[2] / "example_workflows" / "api"
 CACHE_WIDGETS = {
     "mode": "DBCache+TaylorSeer",
     "Fn_compute_blocks": 1,

@@ -18,7 +18,7 @@ from workflow_graphs import TINY_MODEL, for_tiny_model, node_id_of
 
 pytestmark = pytest.mark.integration
 
-API_DIR = Path(__file__).resolve().parents[2] / "workflows" / "api"
+API_DIR = Path(__file__).resolve().parents[2] / "example_workflows" / "api"
 LOADED = "Loaded WanVACE pipeline"
 RELEASED = "Released WanVACE pipeline"
 EXPERT_FILES = ("transformer", "transformer_2")

@@ -13,7 +13,7 @@ from workflow_graphs import SINGLE_FILES, for_tiny_model, node_id_of, nodes_of_t
 
 pytestmark = pytest.mark.integration
 
-API_DIR = Path(__file__).resolve().parents[2] / "workflows" / "api"
+API_DIR = Path(__file__).resolve().parents[2] / "example_workflows" / "api"
 
 
 def _workflow(name: str, prefix: str, latents_only: bool = False, **loader_inputs) -> dict:

@@ -23,7 +23,7 @@ from wanvace_core import generate
 
 pytestmark = pytest.mark.integration
 
-API_DIR = Path(__file__).resolve().parents[2] / "workflows" / "api"
+API_DIR = Path(__file__).resolve().parents[2] / "example_workflows" / "api"
 WIDTH, HEIGHT, LENGTH, STEPS, SEED = 64, 48, 9, 4, 42
 OUTPAINT_INNER = 32
 EXTENSION_GIVEN = 5

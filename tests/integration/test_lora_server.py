@@ -14,7 +14,7 @@ from workflow_graphs import LIGHTNING_SAMPLING, LIGHTNING_VARIANT, for_tiny_mode
 
 pytestmark = pytest.mark.integration
 
-API_DIR = Path(__file__).resolve().parents[2] / "workflows" / "api"
+API_DIR = Path(__file__).resolve().parents[2] / "example_workflows" / "api"
 LIGHTNING = "t2v" + LIGHTNING_VARIANT
 
 

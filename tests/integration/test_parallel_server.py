@@ -30,7 +30,7 @@ from wanvace_core.parallel.launcher import cpu_threads_per_worker
 
 pytestmark = pytest.mark.integration
 
-API_DIR = Path(__file__).resolve().parents[2] / "workflows" / "api"
+API_DIR = Path(__file__).resolve().parents[2] / "example_workflows" / "api"
 PARALLEL_NODE = "800"
 SEEDS = (31, 32)
 CANCEL_STEPS = 100

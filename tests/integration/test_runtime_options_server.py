@@ -14,7 +14,7 @@ from workflow_graphs import for_tiny_model, node_id_of
 
 pytestmark = pytest.mark.integration
 
-API_DIR = Path(__file__).resolve().parents[2] / "workflows" / "api"
+API_DIR = Path(__file__).resolve().parents[2] / "example_workflows" / "api"
 BATCHED = "WanVACE CFG: batched, one call of batch 2"
 SEPARATE = "WanVACE CFG: separate passes"
 # fp32 latents of the tiny model's v2v prompt, batched against separate passes (tests/test_batched_cfg.py measures

@@ -18,7 +18,7 @@ from workflow_graphs import FP8_VARIANT, SINGLE_FILES, for_tiny_model
 
 pytestmark = pytest.mark.integration
 
-API_DIR = Path(__file__).resolve().parents[2] / "workflows" / "api"
+API_DIR = Path(__file__).resolve().parents[2] / "example_workflows" / "api"
 NAN, INF = float("nan"), float("inf")
 
 

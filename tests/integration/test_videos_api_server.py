@@ -24,7 +24,7 @@ from tests.vace_tasks import lossless_video
 
 pytestmark = pytest.mark.integration
 
-API_DIR = Path(__file__).resolve().parents[2] / "workflows" / "api"
+API_DIR = Path(__file__).resolve().parents[2] / "example_workflows" / "api"
 WIDTH, HEIGHT, FRAMES = 64, 48, 9
 FIELDS = {
     "prompt": "a small blue bird takes off from a branch",

@@ -25,7 +25,7 @@ from wanvace_core import (
 
 pytestmark = pytest.mark.integration
 
-API_DIR = Path(__file__).resolve().parents[2] / "workflows" / "api"
+API_DIR = Path(__file__).resolve().parents[2] / "example_workflows" / "api"
 LONG = 33  # video frames: 9 latent frames
 WINDOWS = {
     "context_length": 17,

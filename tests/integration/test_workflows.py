@@ -24,7 +24,7 @@ from workflow_graphs import (
 
 pytestmark = pytest.mark.integration
 
-API_DIR = Path(__file__).resolve().parents[2] / "workflows" / "api"
+API_DIR = Path(__file__).resolve().parents[2] / "example_workflows" / "api"
 TINY_LENGTH, TINY_STEPS = 9, 4
 LONG_TINY_LENGTH = 33  # the long variants' 241 frames, on the tiny model: three 17-frame windows
 

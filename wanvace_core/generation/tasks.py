@@ -1,6 +1,6 @@
 """The VACE tasks as conditioning inputs: which frames are given, which are masked, for each mode.
 
-The arrangements are those of the shipped workflows (`workflows/`), so that a job given here and the same job
+The arrangements are those of the shipped workflows (`example_workflows/`), so that a job given here and the same job
 queued through ComfyUI condition the model on the same pixels: first/last-frame jobs fill the frames between
 with ComfyUI's `EmptyImage` grey (128/255) and mask them; outpainting pads with 0.5 grey as `ImagePadForOutpaint`
 does; a single mask frame applies to every given frame. Images and videos arrive in ComfyUI's layout
