@@ -11,9 +11,18 @@ exists and behaves) whose `model` is a weightless placeholder: the weights stay 
 
 "Unload models" / POST /free and ComfyUI's memory pressure call `detach()` (or `partially_unload`,
 which frees everything too: our units are whole components or blocks), and our residency releases
-its device memory; the next use brings back what it needs. It is a plain (not Dynamic VRAM)
-patcher: with ComfyUI 0.33's Dynamic VRAM on, ComfyUI's own models page their weights in on demand
-while ours are loaded whole and unloaded whole when ComfyUI needs the room.
+its device memory; the next use brings back what it needs.
+
+Dynamic VRAM (ComfyUI 0.33 on, on by default on NVIDIA): ComfyUI's own models then keep their weights
+in comfy-aimdo's pages, which give way one by one when any CUDA allocation needs the room (aimdo hooks
+`cuMemAlloc`). Ours stays a plain patcher (weights ComfyUI cannot page), and `load_models_gpu` with any
+plain patcher in its list takes ComfyUI's non-dynamic path: it evicts dynamic models' pages until its
+own estimate is free, fully unloading (pinned host copies included) every dynamic model that holds
+less VRAM than is still missing, and asks host RAM to pin our whole size. ComfyUI's own plain models
+(several VAEs, torch-compiled models) get the same, once per use. So we register that way once, and
+every later reservation (each component switch, each load straight onto the GPU) asks ComfyUI as its
+dynamic models do (`free_memory(..., for_dynamic=True)`): plain models are unloaded for us, dynamic
+pages are left to give way on demand. Without Dynamic VRAM every reservation is a `load_models_gpu`.
 """
 
 from __future__ import annotations
@@ -24,6 +33,11 @@ import weakref
 import comfy.model_management as model_management
 import comfy.model_patcher
 import torch
+
+try:
+    import comfy.memory_management as dynamic_vram_state  # ComfyUI 0.33 on: says whether Dynamic VRAM runs
+except ImportError:  # ComfyUI 0.3.75
+    dynamic_vram_state = None
 
 logger = logging.getLogger(__name__)
 
@@ -92,8 +106,11 @@ class ComfyMemoryBroker:
         self.working_bytes = 0  # activations of the node about to run, passed as memory_required
 
     def reserve(self, incoming_bytes: int) -> None:
-        self.patcher.incoming_bytes = int(incoming_bytes)
         _retired.clear()  # see _retired
+        if dynamic_vram() and self.patcher in model_management.loaded_models():
+            _make_room(self.patcher.load_device, int(incoming_bytes) + self.working_bytes)
+            return
+        self.patcher.incoming_bytes = int(incoming_bytes)
         try:
             model_management.load_models_gpu([self.patcher], memory_required=self.working_bytes)
         finally:
@@ -129,8 +146,42 @@ def cooperate(model, device: torch.device) -> WanVACEPatcher:
 
 def make_room_before_loading(device: torch.device, incoming_bytes: int) -> None:
     """Before weights are read straight onto the GPU: let ComfyUI unload its own models first."""
-    if device.type != "cpu":
-        model_management.free_memory(incoming_bytes + model_management.minimum_inference_memory(), device)
+    _make_room(device, incoming_bytes)
+
+
+def dynamic_vram() -> bool:
+    """Whether ComfyUI runs Dynamic VRAM (feature-detected: 0.3.75 has no such state, 0.33 turns it off for
+    --cpu, --highvram, --disable-dynamic-vram and where comfy-aimdo does not load)."""
+    return bool(getattr(dynamic_vram_state, "aimdo_enabled", False))
+
+
+def _make_room(device: torch.device, incoming_bytes: int) -> None:
+    """Asks ComfyUI for `incoming_bytes` plus its minimum inference headroom on `device`.
+
+    Under Dynamic VRAM, as for its dynamic models: plain models are unloaded as needed, dynamic ones keep their
+    pages until our allocations take them (unloading them here would also drop their pinned host copies).
+    """
+    if device.type == "cpu":
+        return
+    needed = incoming_bytes + model_management.minimum_inference_memory()
+    if dynamic_vram():
+        model_management.free_memory(needed, device, for_dynamic=True)
+    else:
+        model_management.free_memory(needed, device)
+
+
+def free_device_memory(model) -> int:
+    """Bytes free for `model`'s activations on its device, for choices such as batched CFG and tile sizes.
+
+    ComfyUI tells model code to ask the model's patcher (`ModelPatcher.get_free_memory`, 0.33 on): under
+    Dynamic VRAM that also counts the VRAM idle dynamic models hold, which gives way when we allocate. Without
+    that method (0.3.75), or for a pipeline not registered with ComfyUI, `model_management.get_free_memory`.
+    """
+    broker = _brokers.get(model.base)  # a LoRA view shares its base's registration
+    ask = None if broker is None else getattr(broker.patcher, "get_free_memory", None)
+    if ask is None:
+        return int(model_management.get_free_memory(model.device))
+    return int(ask(model.device))
 
 
 def set_working_memory(model, working_bytes: int) -> None:

@@ -16,7 +16,7 @@ from ..wanvace_core.generation.budget import (
 from ..wanvace_core.generation.sampling import validate_scheduler
 from ..wanvace_core.generation.windows import frames_per_call
 from ..wanvace_core.validation import nan_refusing_min
-from .memory import set_working_memory
+from .memory import free_device_memory, set_working_memory
 from .preview import step_previewer
 from .types import CATEGORY, WanVACECacheType, WanVACEConditioningType, WanVACEContextWindowsType, WanVACEModelType
 
@@ -162,7 +162,7 @@ class WanVACESampler(io.ComfyNode):
             context_windows, conditioning.conditioning_latents.shape[2], conditioning.num_reference_images
         )
         activation = sampling_activation_bytes(model, frames, conditioning.height, conditioning.width)
-        free = comfy.model_management.get_free_memory(model.device)
+        free = free_device_memory(model)
         batched, reason = batched_cfg_decision(model, batched_cfg, activation, free)
         logger.info("WanVACE CFG: %s (%s)", "batched, one call of batch 2" if batched else "separate passes", reason)
         set_working_memory(model, 2 * activation if batched else activation)

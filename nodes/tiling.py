@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import comfy.model_management
 from comfy_api.latest import io
 
 from ..wanvace_core import WanVACEInputError
 from ..wanvace_core.generation.tiling import TILING_MODES, VAETiling
 from ..wanvace_core.validation import validate_range
+from .memory import free_device_memory
 
 _DEFAULT = VAETiling()
 # Optional, so that prompts saved before these inputs existed (API prompts carry no value for them, and
@@ -79,4 +79,4 @@ def validate_tiling_inputs(tiled=None, tile_size=None, tile_overlap=None) -> boo
 
 def free_device_bytes(model) -> int:
     """What ComfyUI reports free on the model's device (for a GPU also the memory torch caches but does not use)."""
-    return int(comfy.model_management.get_free_memory(model.device))
+    return free_device_memory(model)
