@@ -1,6 +1,6 @@
 """ComfyUI nodes of ComfyUI-WanVACE: thin V3 wrappers over wanvace_core."""
 
-from comfy_api.latest import ComfyExtension, io
+from comfy_api.v0_0_2 import ComfyExtension, io
 
 from .cache import WanVACECacheOptions
 from .conditioning import WanVACEConditioning

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from comfy_api.latest import io
+from comfy_api.v0_0_2 import io
 
 from ..wanvace_core import CACHE_MODES, CacheOptions, ExpertCacheLimits, WanVACEInputError
 from ..wanvace_core.validation import nan_refusing_min

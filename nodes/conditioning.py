@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from comfy_api.latest import io
+from comfy_api.v0_0_2 import io
 
 from ..wanvace_core import (
     VACEInputs,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 import comfy.model_management
-from comfy_api.latest import io
+from comfy_api.v0_0_2 import io
 
 from ..wanvace_core import (
     DEFAULT_ATTENTION,

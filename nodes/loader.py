@@ -6,7 +6,7 @@ import logging
 from pathlib import Path
 
 import comfy.model_management
-from comfy_api.latest import io
+from comfy_api.v0_0_2 import io
 
 from ..wanvace_core import (
     DEFAULT_ATTENTION,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import folder_paths
-from comfy_api.latest import io
+from comfy_api.v0_0_2 import io
 
 from ..wanvace_core import WanVACEError, WanVACEInputError
 from ..wanvace_core.runtime.lora import LoraPatch, check_lora

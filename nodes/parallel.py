@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from comfy_api.latest import io
+from comfy_api.v0_0_2 import io
 
 from ..wanvace_core import WanVACEInputError
 from ..wanvace_core.parallel import DEFAULT_ENDPOINT, LAUNCHERS, SHARD_MODES, ParallelOptions

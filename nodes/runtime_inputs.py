@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import comfy.model_management
-from comfy_api.latest import io
+from comfy_api.v0_0_2 import io
 
 from ..wanvace_core import ATTENTION_BACKENDS, DEFAULT_ATTENTION, WanVACEInputError, resolve_attention
 from ..wanvace_core.runtime.fp8_matmul import check_fp8_matmul

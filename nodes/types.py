@@ -1,6 +1,6 @@
 """Custom ComfyUI socket types of this package."""
 
-from comfy_api.latest import io
+from comfy_api.v0_0_2 import io
 
 WanVACEModelType = io.Custom("WANVACE_MODEL")
 WanVACEConditioningType = io.Custom("WANVACE_COND")

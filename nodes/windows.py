@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from comfy_api.latest import io
+from comfy_api.v0_0_2 import io
 
 from ..wanvace_core import FUSE_METHODS, SCHEDULES, ContextWindowOptions, WanVACEInputError
 from .types import CATEGORY, WanVACEContextWindowsType
