@@ -12,6 +12,7 @@ import json
 import shutil
 import socket
 import sys
+import warnings
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -76,11 +77,16 @@ def main(argv: list[str]) -> int:
         print("run")
         return 0
 
+    # torch 2.8 warns at import, on every machine without CUDA, about an autocast some import declares for CUDA.
+    warnings.filterwarnings("ignore", message="User provided device_type of 'cuda', but CUDA is not available")
     import av
+    import transformers
     from comfy_server import ComfyServer, write_example_inputs
     from workflow_graphs import TINY_MODEL, for_tiny_model
 
     from wanvace_core.load.tiny import write_tiny_pipeline
+
+    transformers.utils.logging.disable_progress_bar()
 
     port = args.port
     if port is None and not _in_use(DEFAULT_PORT):
