@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import json
 import re
 from dataclasses import dataclass, field
@@ -113,6 +114,10 @@ class VideoRequest:
     files: dict = field(default_factory=dict)  # input name (image, last_image, video, mask, reference) -> paths
     lora: tuple[str, float] | None = None
     extra: dict = field(default_factory=dict)
+    # The request field that set each of the conditioning node's width, height and length ("size", "width",
+    # "seconds", "num_frames", ...), and the values as sent: a refusal of a node input names what the client sent.
+    sources: dict = field(default_factory=dict)
+    given: dict = field(default_factory=dict)
 
     @property
     def size(self) -> str:
@@ -193,34 +198,78 @@ def parse_extra(text: str | None) -> dict:
     return extra
 
 
-def _size(values: dict) -> tuple[int, int]:
+@functools.cache
+def conditioning_ranges() -> dict[str, tuple[int, int]]:
+    """The WanVACE Conditioning node's declared (min, max) of width, height and length: a request outside them is
+    refused before it is queued, naming the request field (ComfyUI would refuse it naming the node's input)."""
+    from ..conditioning import WanVACEConditioning
+
+    inputs = WanVACEConditioning.define_schema().inputs
+    return {item.id: (item.min, item.max) for item in inputs if item.id in ("width", "height", "length")}
+
+
+def _size(values: dict) -> tuple[int, int, dict]:
+    """Width, height and the field that set each (`size`, `width`/`height`, or the default's)."""
     width, height = values.get("width"), values.get("height")
+    sources = {"width": "width", "height": "height"}
     if "size" in values:
         match = _SIZE.match(values["size"].strip())
         if match is None:
             raise ApiError(400, f"size={values['size']!r} must be WIDTHxHEIGHT, e.g. 832x480.", param="size")
-        width, height = width or int(match.group(1)), height or int(match.group(2))
+        if width is None:
+            width, sources["width"] = int(match.group(1)), "size"
+        if height is None:
+            height, sources["height"] = int(match.group(2)), "size"
     width = DEFAULTS["width"] if width is None else width
     height = DEFAULTS["height"] if height is None else height
+    ranges = conditioning_ranges()
     for name, value in (("width", width), ("height", height)):
+        low, high = ranges[name]
+        problem = None
         if value <= 0 or value % 16:
-            nearest = max(16, round(value / 16) * 16)
-            raise ApiError(400, f"{name}={value} is not a positive multiple of 16; use {nearest}.", param=name)
-    return width, height
+            problem = f"is not a positive multiple of 16; use {max(16, round(value / 16) * 16)}"
+        elif not low <= value <= high:
+            problem = f"is outside {low} to {high}"
+        if problem is None:
+            continue
+        if sources[name] == "size":
+            raise ApiError(400, f"size={values['size']!r}: its {name} {value} {problem}.", param="size")
+        raise ApiError(400, f"{name}={value} {problem}.", param=name)
+    return width, height, sources
 
 
-def _frames(values: dict, fps: float) -> int:
-    frames = values.get("num_frames")
+def _frames(values: dict, fps: float) -> tuple[int, str]:
+    """The frame count and the field that set it (`num_frames`, else `seconds`, else the default's)."""
+    frames, source = values.get("num_frames"), "num_frames"
     if frames is None and "seconds" in values:
+        seconds, source = values["seconds"], "seconds"
+        if seconds <= 0:
+            raise ApiError(400, f"seconds={seconds:g} must be positive (the length of the video).", param="seconds")
+        if seconds * fps < 1:
+            raise ApiError(
+                400,
+                f"seconds={seconds:g} is shorter than one frame at fps={fps:g} ({1 / fps:.3g} s); ask for more.",
+                param="seconds",
+            )
         # That many seconds at fps, rounded to the nearest 4n+1 (Wan's VAE packs 4 frames after the first).
-        frames = round(values["seconds"] * fps / 4) * 4 + 1
+        frames = round(seconds * fps / 4) * 4 + 1
     frames = DEFAULTS["num_frames"] if frames is None else frames
     if frames < 1 or (frames - 1) % 4:
         nearest = max(1, round((frames - 1) / 4) * 4 + 1)
         raise ApiError(
             400, f"num_frames={frames} is not of the form 4n+1 (e.g. 33, 49, 81); use {nearest}.", param="num_frames"
         )
-    return frames
+    low, high = conditioning_ranges()["length"]
+    if not low <= frames <= high:
+        if source == "seconds":
+            raise ApiError(
+                400,
+                f"seconds={values['seconds']:g} at fps={fps:g} is {frames} frames; the most is {high} frames "
+                f"({(high - 1) / fps:g} s at this fps).",
+                param="seconds",
+            )
+        raise ApiError(400, f"num_frames={frames} is outside {low} to {high}.", param="num_frames")
+    return frames, source
 
 
 def _lora(text: str | None) -> tuple[str, float] | None:
@@ -242,11 +291,11 @@ def build_request(values: dict, uploads: list[Upload], files: dict) -> VideoRequ
     if not prompt.strip():
         raise ApiError(400, "prompt is required and must not be empty.", param="prompt")
     extra = parse_extra(values.get("extra_params"))
-    width, height = _size(values)
+    width, height, sources = _size(values)
     fps = values.get("fps", DEFAULTS["fps"])
     if fps <= 0:
         raise ApiError(400, f"fps={fps} must be positive.", param="fps")
-    frames = _frames(values, fps)
+    frames, sources["length"] = _frames(values, fps)
     steps = values.get("num_inference_steps", DEFAULTS["num_inference_steps"])
     if steps < 1:
         raise ApiError(400, f"num_inference_steps={steps} must be at least 1.", param="num_inference_steps")
@@ -293,4 +342,6 @@ def build_request(values: dict, uploads: list[Upload], files: dict) -> VideoRequ
         files=inputs,
         lora=_lora(values.get("lora")),
         extra=extra,
+        sources=sources,
+        given={name: values[name] for name in ("size", "seconds", "fps") if name in values},
     )

@@ -1,6 +1,7 @@
 """The videos API's routes on ComfyUI's own server: `POST /v1/videos/sync`, `POST /v1/videos`, `GET /v1/videos`,
 `GET /v1/videos/{id}`, `GET /v1/videos/{id}/content`, `DELETE /v1/videos/{id}` (ComfyUI also serves each under
-`/api`).
+`/api`). Any other method or path under `/v1/videos` (OpenAI's remix, edits, extensions, characters) is answered
+404 or 405 in the OpenAI error shape, so OpenAI's clients raise their typed error with our message.
 
 Uploads are streamed to the job's own folder under ComfyUI's temp directory, never past ComfyUI's
 `--max-upload-size` (the limit of its own uploads), and removed when the job ends or is deleted. The model is
@@ -11,13 +12,16 @@ defines (`single_file_models`: name -> the WanVACE Experts Loader's files).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
 import os
+import re
 import shutil
 from pathlib import Path
 
+import av
 import folder_paths
 from aiohttp import web
 
@@ -34,6 +38,7 @@ from .fields import (
     refuse_unknown,
 )
 from .jobs import ComfyClient, VideoJob, VideoJobs, job_folder
+from .media import CONTENT_TYPES, spritesheet, thumbnail
 from .prompts import build_prompt
 
 logger = logging.getLogger(__name__)
@@ -241,9 +246,9 @@ class VideosApi:
             parsed = await _parse(request, folder)
             video = build_request(**parsed)
             model, single_files = _model(video.model)
-            job = VideoJob(id=job_id, request=video, model=model, folder=folder)
+            job = VideoJob.of_request(job_id, video, model, folder)
             prompt, job.save_node, job.sampler_node = build_prompt(video, job_id, model, self.temp_dir, single_files)
-            await self.jobs.submit(job, prompt)
+            await self.jobs.submit(job, prompt, video)
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
@@ -290,23 +295,50 @@ class VideosApi:
         await self.jobs.refresh(job)
         return web.json_response(job.record())
 
-    async def list(self, _request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [job.record() for job in self.jobs.jobs.values()]})
+    async def list(self, request: web.Request) -> web.Response:
+        """OpenAI's cursor list: `limit` (0 to 100, default 20), `order` (`asc`/`desc` by creation, default `desc`,
+        newest first), `after` (the last id of the page before); `has_more`, `first_id`, `last_id`."""
+        try:
+            limit = _query_int(request, "limit", default=LIST_LIMIT, low=0, high=LIST_LIMIT_MAX)
+            order = request.query.get("order", "desc")
+            if order not in ("asc", "desc"):
+                raise ApiError(400, f"order={order!r} must be asc or desc.", param="order")
+            page = self.jobs.page(limit, order, request.query.get("after") or None)
+        except ApiError as error:
+            return _error(error)
+        return web.json_response(page)
 
     async def content(self, request: web.Request) -> web.StreamResponse:
         try:
+            variant = request.query.get("variant", "video")
+            if variant not in CONTENT_TYPES:
+                raise ApiError(400, f"variant={variant!r} is not one of {', '.join(CONTENT_TYPES)}.", param="variant")
             job = self.jobs.get(request.match_info["video_id"])
             await self.jobs.refresh(job)
-            if job.status != "completed" or job.output is None or not job.output.is_file():
+            if job.status != "completed":
                 raise ApiError(
                     404 if job.status == "failed" else 409,
                     f"video {job.id} is {job.status}; its content is there once it is completed.",
                     param="video_id",
                     code="video_not_ready",
                 )
+            if job.output is None or not job.output.is_file():
+                raise ApiError(
+                    404,
+                    f"the video file of {job.id} is no longer in {self.jobs.records.videos_dir}; delete the job.",
+                    param="video_id",
+                    code="video_file_missing",
+                )
         except ApiError as error:
             return _error(error)
-        return web.FileResponse(job.output, headers={"Content-Type": "video/mp4"})
+        if variant == "video":
+            return web.FileResponse(job.output, headers={"Content-Type": CONTENT_TYPES["video"]})
+        still = thumbnail if variant == "thumbnail" else spritesheet
+        try:
+            body = await asyncio.to_thread(still, job.output)
+        except (av.error.FFmpegError, ValueError) as error:
+            return _error(ApiError(500, f"the video file of {job.id} could not be read ({error}).", code="bad_video"))
+        return web.Response(body=body, content_type=CONTENT_TYPES[variant])
 
     async def delete(self, request: web.Request) -> web.Response:
         try:
@@ -315,6 +347,79 @@ class VideosApi:
             return _error(error)
         await self.jobs.delete(job)
         return web.json_response({"id": job.id, "object": "video.deleted", "deleted": True})
+
+
+LIST_LIMIT, LIST_LIMIT_MAX = 20, 100  # OpenAI's default and largest page
+
+
+def _query_int(request: web.Request, name: str, default: int, low: int, high: int) -> int:
+    text = request.query.get(name)
+    if text is None:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise ApiError(400, f"{name}={text!r} is not a whole number.", param=name) from None
+    if not low <= value <= high:
+        raise ApiError(400, f"{name}={value} is outside {low} to {high}.", param=name)
+    return value
+
+
+# The routes, as (method, path, VideosApi method); the middleware below answers every other one under /v1/videos.
+ROUTES = (
+    ("POST", "/v1/videos/sync", "create_sync"),
+    ("POST", "/v1/videos", "create"),
+    ("GET", "/v1/videos", "list"),
+    ("GET", "/v1/videos/{video_id}", "retrieve"),
+    ("GET", "/v1/videos/{video_id}/content", "content"),
+    ("DELETE", "/v1/videos/{video_id}", "delete"),
+)
+_ROUTE_PATTERNS = [(method, re.compile("^" + re.sub(r"\{\w+\}", "[^/]+", path) + "$")) for method, path, _ in ROUTES]
+# What to send instead of OpenAI's requests that this API does not have, by the path's last word.
+_INSTEAD = {
+    "remix": 'create a new video with extra_params {"mode": "v2v"} and the video as video_reference',
+    "edits": 'create a new video with extra_params {"mode": "v2v"} (or "inpaint" with a mask) and the video as '
+    "video_reference",
+    "extensions": 'create a new video with extra_params {"mode": "extension"} and the video as video_reference',
+    "characters": 'give reference images: extra_params {"mode": "r2v", "reference_images": [...]}',
+}
+
+
+def _unserved(request: web.Request, path: str) -> web.Response:
+    """OpenAI's answer to a path it does not have (404) or a method a path does not take (405), in its error
+    shape."""
+    word = next((word for word in reversed(path.split("/")) if word in _INSTEAD), None)
+    allowed = sorted({method for method, pattern in _ROUTE_PATTERNS if pattern.match(path)})
+    if allowed and word is None:
+        error = ApiError(
+            405,
+            f"{request.method} {path} is not served; this path takes {', '.join(allowed)}.",
+            code="method_not_allowed",
+        )
+        return web.json_response(error.body(), status=405, headers={"Allow": ", ".join(allowed)})
+    message = (
+        f"Invalid URL ({request.method} {path}): this server's videos API creates, lists, retrieves, downloads and "
+        "deletes videos; " + (f"it has no {word}: {_INSTEAD[word]}." if word else "it has no such request.")
+    )
+    return _error(ApiError(404, message, code="unknown_url"))
+
+
+@web.middleware
+async def unserved_as_openai_errors(request: web.Request, handler):
+    """Under `/v1/videos` (and ComfyUI's `/api` mirror of it) only: ComfyUI's plain-text 404/405 for a route the
+    videos API does not serve (its static files take every GET path, so other methods get 405) become OpenAI's
+    error shape. Routes are resolved before any middleware runs, so a route another pack serves there still
+    answers itself."""
+    path = request.path.removeprefix("/api")
+    if path != "/v1/videos" and not path.startswith("/v1/videos/"):
+        return await handler(request)
+    # ComfyUI's static files match every GET path; their 404 comes only when the response is sent.
+    if isinstance(getattr(request.match_info.route, "resource", None), web.StaticResource):
+        return _unserved(request, path)
+    try:
+        return await handler(request)
+    except (web.HTTPNotFound, web.HTTPMethodNotAllowed):
+        return _unserved(request, path)
 
 
 def _base_url(server) -> tuple[str, bool | None]:
@@ -335,37 +440,34 @@ _installed = False
 
 
 def install_videos_api() -> None:
-    """Adds the routes to ComfyUI's server (once; ComfyUI registers them when it starts listening)."""
+    """Adds the routes to ComfyUI's server (once; ComfyUI registers them when it starts listening) and reads back the
+    jobs of its earlier runs."""
     global _installed
     if _installed:
         return
     from server import PromptServer
 
     server = PromptServer.instance
-    api = _LazyApi(server)
-    routes = server.routes
-    routes.post("/v1/videos/sync")(api.call("create_sync"))
-    routes.post("/v1/videos")(api.call("create"))
-    routes.get("/v1/videos")(api.call("list"))
-    routes.get("/v1/videos/{video_id}")(api.call("retrieve"))
-    routes.get("/v1/videos/{video_id}/content")(api.call("content"))
-    routes.delete("/v1/videos/{video_id}")(api.call("delete"))
+    api = _LazyApi(server, VideoJobs(folder_paths.get_output_directory()))
+    for method, path, name in ROUTES:
+        server.routes.route(method, path)(api.call(name))
+    server.app.middlewares.append(unserved_as_openai_errors)
     _installed = True
 
 
 class _LazyApi:
     """Builds the `VideosApi` at the first request: the server's address and port are known only once it listens."""
 
-    def __init__(self, server) -> None:
+    def __init__(self, server, jobs: VideoJobs) -> None:
         self.server = server
+        self.jobs = jobs
         self.api: VideosApi | None = None
 
     def call(self, method: str):
         async def handler(request: web.Request) -> web.StreamResponse:
             if self.api is None:
-                base_url, ssl = _base_url(self.server)
-                jobs = VideoJobs(ComfyClient(base_url, ssl), folder_paths.get_output_directory())
-                self.api = VideosApi(jobs, folder_paths.get_temp_directory())
+                self.jobs.client = ComfyClient(*_base_url(self.server))
+                self.api = VideosApi(self.jobs, folder_paths.get_temp_directory())
             return await getattr(self.api, method)(request)
 
         handler.__name__ = f"wanvace_videos_{method}"

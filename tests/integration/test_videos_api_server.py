@@ -22,7 +22,11 @@ from workflow_graphs import TINY_MODEL, for_tiny_model, node_id_of
 
 from tests.vace_tasks import lossless_video
 
-pytestmark = pytest.mark.integration
+pytestmark = [
+    pytest.mark.integration,
+    # The official SDK marks its videos methods deprecated (OpenAI's Sora API shuts down); they still work here.
+    pytest.mark.filterwarnings("ignore:The Sora API is scheduled:DeprecationWarning"),
+]
 
 API_DIR = Path(__file__).resolve().parents[2] / "example_workflows" / "api"
 WIDTH, HEIGHT, FRAMES = 64, 48, 9
@@ -188,7 +192,8 @@ def test_async_create_poll_content_list_and_delete(api_server):
     deleted = api_server.http.delete(f"{api_server.url}/v1/videos/{record['id']}").json()
     assert deleted == {"id": record["id"], "object": "video.deleted", "deleted": True}
     assert api_server.get(f"/v1/videos/{record['id']}").status_code == 404
-    assert list((api_server.base_dir / "output" / "wanvace_api").glob(f"{record['id']}*")) == []
+    videos = api_server.base_dir / "output" / "wanvace_api"
+    assert list(videos.glob(f"{record['id']}*")) == list(videos.glob(f".jobs/{record['id']}*")) == []
 
 
 def _long_job(server: ComfyServer, seed: int) -> str:
@@ -246,7 +251,7 @@ def _error_of(answer) -> tuple[int, str | None, str]:
         ({"model": "no-such-model"}, 404, "model", "model 'no-such-model' is not listed"),
         ({"extra_params": '{"colour": 1}'}, 400, "extra_params.colour", "unknown keys ['colour']"),
         ({"extra_params": '{"mode": "inpaint"}'}, 400, "input_reference", "needs input_reference (a video)"),
-        ({"lora": "missing.safetensors"}, 400, "lora", "WanVACELoraLoader"),
+        ({"lora": "missing.safetensors"}, 400, "lora", "missing.safetensors"),
     ],
 )
 def test_bad_fields_are_refused_in_the_openai_error_shape_naming_the_field(api_server, extra, status, param, fragment):
@@ -414,6 +419,40 @@ def test_the_readme_curl_commands_run_as_written(api_server, tmp_path):
     assert _temp_files(api_server) == []
 
 
+# The README's SDK example's values for the real model, and the tiny model's.
+SDK_TINY_VALUES = {
+    "http://127.0.0.1:8188/v1": None,  # the test server's address
+    'size="832x480"': f'size="{WIDTH}x{HEIGHT}"',
+    'seconds="5"': 'seconds="0.5"',  # 8 frames at 16 fps: 9, the nearest 4n+1
+    '"num_inference_steps": 30': '"num_inference_steps": 2',
+}
+
+
+def test_the_readme_openai_sdk_example_runs_as_written(api_server, tmp_path):
+    import subprocess
+    import sys
+
+    section = README.read_text().split("## Videos API")[1].split("\n## ")[0]
+    (example,) = [block.split("```")[0] for block in section.split("```python\n")[1:]]
+    for real, tiny in SDK_TINY_VALUES.items():
+        assert real in example, f"the README's SDK example no longer holds {real!r}"
+        example = example.replace(real, tiny or f"{api_server.url}/v1")
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore::DeprecationWarning", "-c", example],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert _frames((tmp_path / "bird.mp4").read_bytes()).shape == (FRAMES, HEIGHT, WIDTH, 3)
+    assert PIL.Image.open(tmp_path / "bird.webp").size == (WIDTH, HEIGHT)
+    listed = [line.split() for line in done.stdout.splitlines()]
+    assert listed and all(status in ("queued", "in_progress", "completed", "failed") for _, status in listed)
+    video_id = listed[0][0]  # newest first: the job the example made
+    assert api_server.get(f"/v1/videos/{video_id}").json()["prompt"] == "A small blue bird takes off from a branch"
+
+
 # --- the VACE extras, and ComfyUI's Cancel ---------------------------------------------------------------------
 
 
@@ -519,3 +558,281 @@ def test_a_single_file_set_named_in_the_settings_file_is_a_model(api_server):
     finally:
         settings.unlink()
     assert _temp_files(api_server) == []
+
+
+# --- the official OpenAI SDK as a client -------------------------------------------------------------------------
+# openai-python, not our HTTP code: what it sends (multipart create, query parameters, extra_body fields) and what it
+# parses (cursor pages, binary content, typed errors from the OpenAI error shape) are its own.
+
+SMALL = {"size": f"{WIDTH}x{HEIGHT}", "extra_body": {"num_frames": FRAMES, "num_inference_steps": 1}}
+
+
+def _sdk(server: ComfyServer):
+    import openai
+
+    # ComfyUI has no API keys; the SDK wants one. No retries: a refusal must come back as it is.
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def sdk_jobs(api_server) -> list[str]:
+    """Three finished jobs made through the SDK, in creation order."""
+    client = _sdk(api_server)
+    ids = [
+        client.videos.create(
+            prompt=f"a bird, take {seed}", **{**SMALL, "extra_body": {**SMALL["extra_body"], "seed": seed}}
+        ).id
+        for seed in (61, 62, 63)
+    ]
+    for video_id in ids:
+        assert client.videos.poll(video_id, poll_interval_ms=100).status == "completed"
+    return ids
+
+
+def _history_of(server: ComfyServer, video_id: str) -> dict:
+    (entry,) = [e for e in server.get("/history").json().values() if e["prompt"][3].get("wanvace_video") == video_id]
+    return entry
+
+
+def _cached_nodes(entry: dict) -> set[str]:
+    return {node for kind, data in entry["status"]["messages"] if kind == "execution_cached" for node in data["nodes"]}
+
+
+def test_sdk_list_pages_by_limit_order_and_after_and_auto_pagination_walks_every_job_once(api_server, sdk_jobs):
+    import openai
+
+    client = _sdk(api_server)
+    first, second, third = sdk_jobs
+    every = client.videos.list(limit=100)
+    newest_first = [video.id for video in every.data]
+    assert every.has_more is False and len(newest_first) == len(set(newest_first)) >= 3
+    assert (every.first_id, every.last_id) == (newest_first[0], newest_first[-1])
+    # Default order: newest first, by creation.
+    assert [newest_first.index(video_id) for video_id in (third, second, first)] == sorted(
+        newest_first.index(video_id) for video_id in sdk_jobs
+    )
+    created = [video.created_at for video in every.data]
+    assert created == sorted(created, reverse=True)
+    oldest_first = [video.id for video in client.videos.list(order="asc", limit=100).data]
+    assert oldest_first == newest_first[::-1]
+    assert [video.id for video in client.videos.list(order="desc", limit=100).data] == newest_first
+
+    one = client.videos.list(limit=1)
+    assert [video.id for video in one.data] == [newest_first[0]]
+    assert (one.has_more, one.first_id, one.last_id) == (True, newest_first[0], newest_first[0])
+    # The SDK's auto-pagination: one job a page, `after` the last id of each, until has_more is false.
+    assert [video.id for video in client.videos.list(limit=1)] == newest_first
+    assert [video.id for video in client.videos.list(limit=2, order="asc")] == oldest_first
+
+    after_first = client.videos.list(order="asc", after=first, limit=2)
+    assert [video.id for video in after_first.data] == [second, third]
+    assert after_first.has_more is (oldest_first[-1] != third)
+    assert client.videos.list(after=newest_first[-1]).data == []
+    empty = client.videos.list(limit=0)
+    assert (empty.data, empty.has_more, empty.first_id, empty.last_id) == ([], True, None, None)
+
+    # OpenAI answers an unknown `after` with 404 (its own SDK's users catch NotFoundError there).
+    with pytest.raises(openai.NotFoundError) as unknown:
+        client.videos.list(after="video_" + "0" * 32)
+    assert unknown.value.param == "after" and "is no video job" in unknown.value.message
+    for query, param in (({"limit": 101}, "limit"), ({"limit": -1}, "limit"), ({"order": "newest"}, "order")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.videos.list(**query)
+        assert refused.value.param == param, refused.value.message
+    answer = api_server.get("/v1/videos?limit=ten")
+    assert _error_of(answer)[:2] == (400, "limit")
+
+
+def test_sdk_downloads_a_thumbnail_and_a_spritesheet_of_the_video_never_the_mp4(api_server, sdk_jobs):
+    import openai
+
+    client = _sdk(api_server)
+    video_id = sdk_jobs[0]
+    video = client.videos.download_content(video_id)
+    frames = _frames(video.content)
+    assert video.response.headers["content-type"] == "video/mp4" and frames.shape == (FRAMES, HEIGHT, WIDTH, 3)
+    assert client.videos.download_content(video_id, variant="video").content == video.content
+
+    thumbnail = client.videos.download_content(video_id, variant="thumbnail")
+    assert thumbnail.response.headers["content-type"] == "image/webp"
+    image = PIL.Image.open(io.BytesIO(thumbnail.content))
+    assert (image.format, image.size) == ("WEBP", (WIDTH, HEIGHT))
+    still = np.asarray(image.convert("RGB"), dtype=np.float32)
+    # The first frame (WebP is lossy): far closer to it than to the video's last frame.
+    to_first = np.abs(still - frames[0]).mean()
+    assert to_first < 4 and to_first < np.abs(still - frames[-1]).mean(), to_first
+
+    sheet = client.videos.download_content(video_id, variant="spritesheet")
+    assert sheet.response.headers["content-type"] == "image/jpeg"
+    image = PIL.Image.open(io.BytesIO(sheet.content))
+    # 9 frames: all of them, 3 by 3, at the video's size, row by row.
+    assert (image.format, image.size) == ("JPEG", (3 * WIDTH, 3 * HEIGHT))
+    tiles = np.asarray(image.convert("RGB"), dtype=np.float32).reshape(3, HEIGHT, 3, WIDTH, 3).swapaxes(1, 2)
+    for index in (0, 4, 8):
+        assert np.abs(tiles.reshape(9, HEIGHT, WIDTH, 3)[index] - frames[index]).mean() < 6, index
+
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.videos.download_content(video_id, variant="poster")
+    assert refused.value.param == "variant" and "thumbnail" in refused.value.message
+
+
+def test_sdk_gets_typed_openai_errors_for_what_this_api_does_not_have(api_server, sdk_jobs):
+    import openai
+
+    client = _sdk(api_server)
+    video_id = sdk_jobs[0]
+    mp4 = ("clip.mp4", lossless_video(5, 3), "video/mp4")
+    calls = {
+        "remix": lambda: client.videos.remix(video_id, prompt="the same bird, at night"),
+        "edits": lambda: client.videos.edit(prompt="at night", video=mp4),
+        "extensions": lambda: client.videos.extend(prompt="it lands", seconds="4", video=mp4),
+        "characters": lambda: client.videos.create_character(name="bird", video=mp4),
+        "characters/": lambda: client.videos.get_character("char_1"),
+    }
+    for word, call in calls.items():
+        with pytest.raises(openai.NotFoundError) as unserved:
+            call()
+        error = unserved.value
+        assert error.type == "invalid_request_error" and error.code == "unknown_url", error.body
+        assert f"it has no {word.rstrip('/')}" in error.message and "extra_params" in error.message, error.message
+    # ComfyUI's /api mirror, and a method a served path does not take (405 with Allow, in the same shape).
+    answer = api_server.http.post(f"{api_server.url}/api/v1/videos/{video_id}/remix", data={"prompt": "x"})
+    assert _error_of(answer)[0] == 404 and "remix" in answer.json()["error"]["message"]
+    answer = api_server.http.put(f"{api_server.url}/v1/videos/{video_id}", data={"prompt": "x"})
+    assert _error_of(answer)[0] == 405 and answer.headers["Allow"] == "DELETE, GET"
+    # Nothing outside /v1/videos changes: ComfyUI's own answers stay its own.
+    assert api_server.http.post(f"{api_server.url}/v1/images/generations").headers["Content-Type"].startswith("text/")
+    assert api_server.get("/system_stats").status_code == 200
+
+
+def test_sdk_seed_through_extra_body_same_seed_same_video_another_seed_another(api_server):
+    client = _sdk(api_server)
+
+    def job(seed: int):
+        video = client.videos.create_and_poll(
+            prompt="a bird, seeded",
+            poll_interval_ms=100,
+            **{**SMALL, "extra_body": {**SMALL["extra_body"], "seed": seed}},
+        )
+        assert video.status == "completed", video.error
+        return video.id, _history_of(api_server, video.id)
+
+    first_id, first = job(71)
+    _, again = job(71)
+    other_id, other = job(72)
+    sampler = node_id_of(first["prompt"][2], "WanVACESampler")
+    assert first["prompt"][2][sampler]["inputs"]["seed"] == 71 and other["prompt"][2][sampler]["inputs"]["seed"] == 72
+    # Same seed: ComfyUI served every node but the job's own SaveVideo from its cache, so the images are the same
+    # tensors (its MP4 encode may still differ: see _assert_same_images).
+    saver = node_id_of(again["prompt"][2], "SaveVideo")
+    assert _cached_nodes(again) == set(again["prompt"][2]) - {saver}
+    # Another seed: the sampler ran again, and the video differs beyond the encoder's noise (the same images saved
+    # twice differed by at most 0.84 levels on average; these two by 3.8 in 0.33).
+    assert sampler not in _cached_nodes(other)
+    difference = np.abs(
+        _frames(client.videos.download_content(other_id).content).astype(np.float32)
+        - _frames(client.videos.download_content(first_id).content)
+    ).mean()
+    assert difference > 2, difference
+
+
+@pytest.mark.every_variant
+@pytest.mark.parametrize(
+    ("create", "param", "fragment"),
+    [
+        ({"seconds": "-2"}, "seconds", "seconds=-2 must be positive"),
+        ({"seconds": "-0.1"}, "seconds", "seconds=-0.1 must be positive"),
+        ({"seconds": "0"}, "seconds", "seconds=0 must be positive"),
+        ({"seconds": "0.01"}, "seconds", "shorter than one frame"),
+        ({"seconds": "100"}, "seconds", "the most is 1025 frames"),
+        ({"extra_body": {"num_frames": 100001}}, "num_frames", "num_frames=100001 is outside 1 to 1025"),
+        ({"size": "65x48"}, "size", "its width 65 is not a positive multiple of 16; use 64"),
+        ({"size": "64x8192"}, "size", "its height 8192 is outside 16 to 4096"),
+        ({"size": "64 by 48"}, "size", "must be WIDTHxHEIGHT"),
+        # Refused by ComfyUI's own checks of the node inputs, named by the request field that set them.
+        ({"extra_body": {"num_inference_steps": 201}}, "num_inference_steps", "num_inference_steps: Value 201"),
+        ({"extra_body": {"guidance_scale_2": 31}}, "guidance_scale_2", "guidance_scale_2: Value 31"),
+        ({"extra_body": {"fps": 500}}, "fps", "fps: Value 500"),
+        # One refusal ComfyUI lists under every input of the node's validate_inputs, positive first.
+        (
+            {"extra_body": {"extra_params": json.dumps({"vace_start_percent": 0.8, "vace_end_percent": 0.2})}},
+            "extra_params.vace_start_percent",
+            "vace_start_percent=0.8 is after vace_end_percent=0.2",
+        ),
+    ],
+    ids=[
+        "seconds-2",
+        "seconds-0.1",
+        "seconds0",
+        "seconds0.01",
+        "seconds100",
+        "num_frames",
+        "size65",
+        "size8192",
+        "sizeText",
+        "steps",
+        "cfg",
+        "fps",
+        "vace_window",
+    ],
+)
+def test_sdk_refusals_name_the_request_field_never_a_node_input(api_server, create, param, fragment):
+    import openai
+
+    client = _sdk(api_server)
+    arguments = {**SMALL, **create, "extra_body": {**SMALL["extra_body"], **create.get("extra_body", {})}}
+    if "seconds" in create:
+        del arguments["extra_body"]["num_frames"]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.videos.create(prompt="a bird", **arguments)
+    error = refused.value
+    assert (error.param, error.type) == (param, "invalid_request_error"), error.message
+    assert fragment in error.message, error.message
+    for internal in ("WanVACE", "positive - ", "length=", "Custom validation"):
+        assert internal not in error.message, error.message
+    assert _temp_files(api_server) == []
+
+
+# Last in the module: it restarts the module's server.
+def test_sdk_after_a_restart_finished_jobs_stay_and_interrupted_ones_are_failed(api_server, sdk_jobs):
+    import openai
+
+    client = _sdk(api_server)
+    kept = sdk_jobs[1]
+    running, queued = _long_job(api_server, 81), _long_job(api_server, 82)
+    deadline = time.monotonic() + 60
+    while client.videos.retrieve(running).progress < 1:
+        assert time.monotonic() < deadline, "the long job never made progress"
+        time.sleep(0.05)
+    assert client.videos.retrieve(queued).status == "queued"
+    records = api_server.base_dir / "output" / "wanvace_api" / ".jobs"
+    broken = records / f"video_{'f' * 32}.json"
+    broken.write_text('{"record": {"id": ')  # a record cut short: the server must start anyway
+    before = {video.id: video for video in client.videos.list(limit=100, order="asc")}
+
+    api_server.stop()
+    log_start = len(api_server.log_text())
+    api_server.start(timeout=180)
+    client = _sdk(api_server)
+
+    skipped = [line for line in api_server.log_text()[log_start:].splitlines() if "job record" in line]
+    assert len(skipped) == 1 and broken.name in skipped[0], skipped
+    after = {video.id: video for video in client.videos.list(limit=100, order="asc")}
+    assert list(after) == list(before)  # the same jobs, in the same order
+    for video_id, stage in ((running, "running"), (queued, "queued")):
+        video = client.videos.retrieve(video_id)
+        assert (video.status, video.error.code) == ("failed", "server_stopped"), video
+        assert f"the server stopped while this job was {stage}" in video.error.message
+    finished = client.videos.retrieve(kept)
+    assert finished.model_dump() == before[kept].model_dump()
+    assert _frames(client.videos.download_content(kept).content).shape == (FRAMES, HEIGHT, WIDTH, 3)
+    assert client.videos.download_content(kept, variant="thumbnail").response.headers["content-type"] == "image/webp"
+
+    videos = api_server.base_dir / "output" / "wanvace_api"
+    assert [path.name for path in videos.glob(f"{kept}*")] and (records / f"{kept}.json").is_file()
+    for video_id in (kept, running, queued):
+        assert client.videos.delete(video_id).deleted is True
+        assert list(videos.glob(f"{video_id}*")) == [] and not (records / f"{video_id}.json").exists()
+        with pytest.raises(openai.NotFoundError):
+            client.videos.retrieve(video_id)
+    broken.unlink()
