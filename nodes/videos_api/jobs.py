@@ -183,10 +183,13 @@ class JobRecords:
             try:
                 if not JOB_ID.match(path.stem):
                     raise ValueError("the name is not a job id")
-                job = VideoJob.from_state(path.stem, json.loads(path.read_text(encoding="utf-8")), self.videos_dir)
+                state = json.loads(path.read_text(encoding="utf-8"))
+                job = VideoJob.from_state(path.stem, state, self.videos_dir)
             except (OSError, ValueError, TypeError, KeyError) as error:
                 logger.warning("WanVACE videos API: skipped the unreadable job record %s (%s)", path, error)
                 continue
+            if job.status != state["record"]["status"]:
+                self.save(job)  # failed now: it was queued or running when the server stopped
             jobs.append(job)
         return jobs
 
@@ -227,9 +230,6 @@ class VideoJobs:
         self.output_dir = Path(output_dir).resolve()
         self.records = JobRecords(self.output_dir / OUTPUT_PREFIX)
         restored = self.records.load()
-        for job in restored:
-            if job.error and job.error.get("code") == "server_stopped":
-                self.records.save(job)
         self.jobs: dict[str, VideoJob] = {job.id: job for job in sorted(restored, key=lambda job: job.created_ns)}
         self._by_prompt: dict[str, VideoJob] = {}
         self._listener: asyncio.Task | None = None
