@@ -3,7 +3,8 @@ within a stated distance of dequantising the weights, LoRA and offload compose w
 bitwise, and it is refused where it cannot run or has no fp8 weights to use.
 
 PyTorch's CPU kernel for `_scaled_mm` runs here (torch 2.8 and 2.11), so these are the numerics a GPU computes up
-to its own accumulation order.
+to its own accumulation order. The CPU kernel accepts arguments CUDA's refuses (a bias with an fp32 output, a bias of
+another dtype than the output), so `cuda_argument_rules` puts CUDA's checks in front of it.
 """
 
 from __future__ import annotations
@@ -96,6 +97,51 @@ def _forward(model, cond, fp8: bool) -> tuple[torch.Tensor, list[int], int]:
     return out, calls, len(counted)
 
 
+def cuda_argument_rules(scaled_mm, calls: list[dict]):
+    """`torch._scaled_mm` behind the argument checks torch 2.11's CUDA kernel makes and its CPU kernel does not
+    (aten/src/ATen/native/cuda/Blas.cpp, `_scaled_mm_out_cuda`); each call's arguments are recorded in `calls`."""
+
+    def checked(mat1, mat2, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False):
+        out = out_dtype or mat1.dtype
+        if bias is not None:
+            if out == torch.float32:
+                raise RuntimeError("Bias is not supported when out_dtype is set to Float32")
+            if bias.dtype not in (torch.bfloat16, torch.float16):
+                raise RuntimeError(f"Bias must be BFloat16 or Half, but got {bias.dtype}")
+            if out == torch.bfloat16 and bias.dtype != torch.bfloat16:
+                raise RuntimeError(f"Bias must be BFloat16 to compute {out} output, but got {bias.dtype}")
+            if out == torch.float16 and bias.dtype != torch.float16:
+                raise RuntimeError(f"Bias must be Float16 to compute {out} output, but got {bias.dtype}")
+        if scale_a.dtype != torch.float32 or scale_b.dtype != torch.float32:
+            raise RuntimeError("Both scale_a and scale_b must be float (fp32) tensors")
+        calls.append({"out_dtype": out, "bias": None if bias is None else bias.dtype, "fast_accum": use_fast_accum})
+        return scaled_mm(
+            mat1,
+            mat2,
+            scale_a,
+            scale_b,
+            bias=bias,
+            scale_result=scale_result,
+            out_dtype=out_dtype,
+            use_fast_accum=use_fast_accum,
+        )
+
+    return checked
+
+
+@torch.no_grad()
+def _forward_under_cuda_rules(expert, inputs: dict, monkeypatch, fast_accum: bool = False):
+    """The expert's output with fp8 matmul on, `_scaled_mm` held to CUDA's argument rules; and the calls' arguments."""
+    calls: list[dict] = []
+    monkeypatch.setattr(torch, "_scaled_mm", cuda_argument_rules(torch._scaled_mm, calls))
+    apply_fp8_matmul(expert, True, fast_accum=fast_accum)
+    try:
+        return expert(**inputs)[0], calls
+    finally:
+        apply_fp8_matmul(expert, False)
+        monkeypatch.undo()
+
+
 def _relative_rms(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
@@ -109,6 +155,60 @@ def test_every_fp8_layer_runs_scaled_mm_within_a_stated_distance_of_dequantising
     assert calls == len(layers)  # ...each through _scaled_mm
     distance = _relative_rms(fp8, dequantized)
     assert 0 < distance <= FORWARD_RELATIVE_RMS, distance
+
+
+def test_the_cuda_argument_rules_refuse_what_cuda_refuses():
+    calls: list[dict] = []
+    checked = cuda_argument_rules(torch._scaled_mm, calls)
+    a = torch.randn(16, 32).to(fp8_module.FP8)
+    b = torch.randn(16, 32).to(fp8_module.FP8).t()
+    one = torch.ones(())
+    with pytest.raises(RuntimeError, match="Bias is not supported when out_dtype is set to Float32"):
+        checked(a, b, one, one, bias=torch.zeros(16), out_dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="Bias must be BFloat16 to compute"):
+        checked(a, b, one, one, bias=torch.zeros(16, dtype=torch.float16), out_dtype=torch.bfloat16)
+    # The CPU kernel itself accepts the first: the reason these rules are checked here.
+    assert torch._scaled_mm(a, b, one, one, bias=torch.zeros(16), out_dtype=torch.float32).dtype == torch.float32
+    assert not calls
+
+
+def test_fp32_activations_with_a_bias_run_under_cudas_rules_close_to_dequantising(fp8_files, monkeypatch):
+    """CUDA refuses a bias with an fp32 output: with fp32 activations the bias is added after the product."""
+    fp32 = load_expert_files(fp8_files, "fp32", "auto")
+    expert = fp32.transformer
+    layers = fp8_linears(expert)
+    assert layers and any(layer.bias is not None for layer in layers)
+    inputs = _expert_inputs(fp32, prepare_conditioning(fp32, INPUTS))
+    with torch.no_grad():
+        dequantized = expert(**inputs)[0]
+    out, calls = _forward_under_cuda_rules(expert, inputs, monkeypatch)
+    assert out.dtype == torch.float32 and len(calls) == len(layers)
+    assert all(call["out_dtype"] == torch.float32 and call["bias"] is None for call in calls)
+    assert 0 < _relative_rms(out, dequantized) <= FORWARD_RELATIVE_RMS
+
+
+def test_bf16_activations_keep_the_bias_fused_under_cudas_rules(model, cond, monkeypatch):
+    expert = model.transformer
+    biased = sum(layer.bias is not None for layer in fp8_linears(expert))
+    out, calls = _forward_under_cuda_rules(expert, _expert_inputs(model, cond), monkeypatch)
+    assert out.dtype == torch.bfloat16 and biased > 0
+    assert sum(call["bias"] == torch.bfloat16 for call in calls) == biased
+    assert not any(call["fast_accum"] for call in calls)
+
+
+def test_fast_accum_is_a_choice_and_off_takes_either_forward_away(model, cond, monkeypatch):
+    expert = model.transformer
+    inputs = _expert_inputs(model, cond)
+    fast, calls = _forward_under_cuda_rules(expert, inputs, monkeypatch, fast_accum=True)
+    assert calls and all(call["fast_accum"] for call in calls)
+    plain, _ = _forward_under_cuda_rules(expert, inputs, monkeypatch)
+    assert _relative_rms(fast, plain) <= 0.01  # the CPU kernel accumulates in fp32 either way
+    apply_fp8_matmul(expert, True, fast_accum=True)
+    apply_fp8_matmul(expert, True)  # switching replaces the fast forward
+    assert all(layer.forward.__func__ is fp8_module._scaled_mm_forward for layer in fp8_linears(expert))
+    apply_fp8_matmul(expert, True, fast_accum=True)
+    apply_fp8_matmul(expert, False)
+    assert all("forward" not in layer.__dict__ for layer in fp8_linears(expert))
 
 
 def test_off_is_the_dequantising_forward_bitwise_after_on(model, cond):

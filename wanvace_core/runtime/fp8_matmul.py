@@ -6,6 +6,11 @@ It replaces the forward of each `QuantizedLinear` whose stored weight is e4m3 (C
 `fp8mixed` files, and unscaled e4m3 files, whose scale is 1); GGUF and other layers keep dequantising. Module
 hooks (LoRA, offload) stay on the module and run around it as before. The kernel needs fp8 support on the device
 (CUDA sm89 and up; PyTorch's CPU kernel, so CI checks the numerics), which `fp8_matmul_failure` probes once.
+
+CUDA's kernel takes a bias only for bf16 or fp16 outputs of the bias's own dtype ("Bias is not supported when
+out_dtype is set to Float32"; the CPU kernel accepts any), so with fp32 activations the bias is added after the
+product, in fp32. `fast_accum` asks for Hopper's fast fp8 accumulation (`use_fast_accum`): faster, with more
+rounding over long sums; off unless chosen (bench/gpu_probe.py measures both).
 """
 
 from __future__ import annotations
@@ -28,32 +33,55 @@ def fp8_linears(expert: torch.nn.Module) -> list[QuantizedLinear]:
     return [module for module in expert.modules() if isinstance(module, QuantizedLinear) and module.weight.dtype == FP8]
 
 
-def _scaled_mm_forward(self: QuantizedLinear, input: torch.Tensor) -> torch.Tensor:
+def fused_bias(bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor | None:
+    """The bias in the form CUDA's `_scaled_mm` takes it for `out_dtype`, or None where it must be added after."""
+    if bias is None or out_dtype not in (torch.bfloat16, torch.float16):
+        return None
+    return bias.to(out_dtype)
+
+
+def _fp8_linear(self: QuantizedLinear, input: torch.Tensor, fast_accum: bool) -> torch.Tensor:
     rows = input.reshape(-1, self.in_features)
     # One scale for the whole activation: what a per-tensor weight scale pairs with in every fp8 GEMM kernel.
     input_scale = rows.abs().amax().float().clamp(min=torch.finfo(torch.float32).tiny) / FP8_MAX
     quantized = (rows.float() / input_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     weight_scale = self.weight_scale if self.weight_scale is not None else torch.ones((), device=input.device)
+    bias = fused_bias(self.bias, input.dtype)
     out = torch._scaled_mm(
         quantized,
         self.weight.reshape(self.out_features, self.in_features).t(),
         scale_a=input_scale,
         scale_b=weight_scale.float(),
-        bias=None if self.bias is None else self.bias.to(input.dtype),
+        bias=bias,
         out_dtype=input.dtype,
+        use_fast_accum=fast_accum,
     )
+    if bias is None and self.bias is not None:
+        out = out + self.bias.to(input.dtype)
     return out.reshape(*input.shape[:-1], self.out_features)
 
 
-def apply_fp8_matmul(expert: torch.nn.Module, enabled: bool) -> int:
-    """Has every fp8-stored layer of `expert` compute with fp8 matmul (`enabled`) or by dequantising (as loaded);
-    returns how many layers that is."""
+def _scaled_mm_forward(self: QuantizedLinear, input: torch.Tensor) -> torch.Tensor:
+    return _fp8_linear(self, input, fast_accum=False)
+
+
+def _scaled_mm_forward_fast_accum(self: QuantizedLinear, input: torch.Tensor) -> torch.Tensor:
+    return _fp8_linear(self, input, fast_accum=True)
+
+
+_FORWARDS = (_scaled_mm_forward, _scaled_mm_forward_fast_accum)
+
+
+def apply_fp8_matmul(expert: torch.nn.Module, enabled: bool, fast_accum: bool = False) -> int:
+    """Has every fp8-stored layer of `expert` compute with fp8 matmul (`enabled`; with fast accumulation where
+    `fast_accum`) or by dequantising (as loaded); returns how many layers that is."""
     layers = fp8_linears(expert)
+    chosen = _scaled_mm_forward_fast_accum if fast_accum else _scaled_mm_forward
     for layer in layers:
+        for forward in _FORWARDS:
+            remove_forward(layer, forward)
         if enabled:
-            install_forward(layer, _scaled_mm_forward)
-        else:
-            remove_forward(layer, _scaled_mm_forward)
+            install_forward(layer, chosen)
     return len(layers)
 
 
