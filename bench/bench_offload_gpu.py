@@ -5,32 +5,30 @@
 
 Builds two Wan2.2-VACE-Fun-A14B-sized experts (40 blocks + 8 VACE blocks, dim 5120) with random bf16
 weights (no download; both experts share one host copy of the weights, so host RAM holds ~35 GB),
-runs `--steps` CFG denoising steps per mode (high-noise expert for the first half, low-noise for the
-rest) and prints per-step time, peak VRAM, host RSS (private and file-backed) and the layerwise/none
-overhead. Mode `group` is diffusers' `apply_group_offloading` (block level, one block per group, side stream,
-next group prefetched) on the same experts: `group/layerwise` is the figure that decides between it and our
-layerwise residency (wanvace_core/runtime/offload.py). With streams it pins a host copy of the expert (~35 GB
-more host memory here; the experts share weights, so one expert under it runs every step); `--group-low-cpu-mem`
-pins per transfer instead. `--json PATH` also writes
-the rows (bench/gpu_check.sh's table), rewritten after each mode so a run
-stopped by its time limit keeps the modes it finished. `--device cpu --tiny`: a tiny config of the same
-architecture on the CPU "device" (every mode, outputs compared bitwise; times mean nothing). Without CUDA (and
-without `--device cpu`) it says so and exits.
+runs `--warmup` untimed and `--steps` (>= 3) timed CFG steps per mode (high-noise expert for the first half,
+low-noise for the rest) and prints the median step time and its spread, peak VRAM, host RSS (private and
+file-backed) and the layerwise/none overhead. Mode `group` is diffusers' `apply_group_offloading` (block level, one
+block per group, side stream, next group prefetched) on the same experts: `group/layerwise` is the figure that
+decides between it and our layerwise residency (wanvace_core/runtime/offload.py). With streams it pins a host copy
+of the expert (~35 GB more host memory here; the experts share weights, so one expert under it runs every step);
+`--group-low-cpu-mem` pins per transfer instead. `--json PATH` also writes the rows (bench/gpu_check.sh's table),
+rewritten after each mode so a run stopped by its time limit keeps the modes it finished. `--device cpu --tiny`: a
+tiny config of the same architecture on the CPU "device" (every mode, outputs compared bitwise; times mean nothing).
+Without CUDA (and without `--device cpu`) it says so and exits.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.timing import row_timing, timed_steps
 from tests.rss import read_status
 from wanvace_core.runtime.interleave import apply_interleaved_vace
 from wanvace_core.runtime.offload import EXPERTS, Offloader, OffloadOptions
@@ -168,27 +166,25 @@ def _remove_diffusers_group_offloading(experts) -> None:
 
 
 def _measure(experts, inputs, args, mode: str, device: torch.device) -> dict:
-    step_times, outputs = [], []
-    for step in range(args.steps):
-        expert = experts[0] if step < (args.steps + 1) // 2 else experts[1]
-        _sync(device)
-        start = time.perf_counter()
+    """`--warmup` untimed then `--steps` timed CFG steps, the high-noise expert for the first half of them and the
+    low-noise one for the rest (in `model` mode a timed step includes the swap)."""
+    total = args.warmup + args.steps
+
+    def step(index: int) -> torch.Tensor:
+        expert = experts[0] if index < (total + 1) // 2 else experts[1]
         with torch.no_grad():
             cond = expert(**inputs)[0]
             uncond = expert(**inputs)[0]
-            outputs.append((uncond + 5.0 * (cond - uncond)).float().cpu())
-        _sync(device)
-        step_times.append(time.perf_counter() - start)
-    result = {
+            return (uncond + 5.0 * (cond - uncond)).float().cpu()
+
+    timing = timed_steps(step, args.warmup, args.steps, device)
+    return {
         "mode": mode,
-        "first_step_s": step_times[0],
-        "median_step_s": statistics.median(step_times[1:] or step_times),
+        **timing,
         "peak_vram_gb": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
         "host_private_gb": read_status()["RssAnon"] / 2**30,
         "host_file_gb": read_status()["RssFile"] / 2**30,
-        "output": outputs[-1],
     }
-    return result
 
 
 def _rows(results: dict) -> list[dict]:
@@ -197,16 +193,14 @@ def _rows(results: dict) -> list[dict]:
     for mode, r in results.items():
         ratios, note = {}, ""
         if mode != "none" and "none" in results:
-            ratios["step/none"] = r["median_step_s"] / results["none"]["median_step_s"]
+            ratios["step/none"] = r["median_s"] / results["none"]["median_s"]
             peak, base_peak = r["peak_vram_gb"], results["none"]["peak_vram_gb"]
             if peak is not None and base_peak:
                 ratios["VRAM/none"] = peak / base_peak
             note = "bitwise = none" if torch.equal(r["output"], results["none"]["output"]) else "DIFFERS from none"
         if mode == "group" and "layerwise" in results:
-            ratios["step/layerwise"] = r["median_step_s"] / results["layerwise"]["median_step_s"]
-        rows.append(
-            {"row": mode, "seconds": r["median_step_s"], "peak_gib": r["peak_vram_gb"], "ratios": ratios, "note": note}
-        )
+            ratios["step/layerwise"] = r["median_s"] / results["layerwise"]["median_s"]
+        rows.append({"row": mode, **row_timing(r), "peak_gib": r["peak_vram_gb"], "ratios": ratios, "note": note})
     return rows
 
 
@@ -216,7 +210,7 @@ def _write_json(path: str | None, config_text: str, device: torch.device, result
             "bench": "offload",
             "device": device.type,
             "config": config_text,
-            "time_unit": "s/step",
+            "time_unit": "per CFG step",
             "rows": _rows(results),
         }
         Path(path).write_text(json.dumps(report, indent=1))
@@ -229,7 +223,8 @@ def main() -> None:
     parser.add_argument("--height", type=int, default=None, help="pixels (default 480; --tiny 64)")
     parser.add_argument("--width", type=int, default=None, help="pixels (default 832; --tiny 64)")
     parser.add_argument("--frames", type=int, default=None, help="4n+1 (default 81; --tiny 9)")
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3, help="timed CFG steps per mode (>= 3)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed CFG steps before them")
     parser.add_argument("--prefetch", type=int, default=1)
     parser.add_argument("--max-pinned-mb", type=int, default=0)
     parser.add_argument(
@@ -249,7 +244,8 @@ def main() -> None:
         return
     config, text_tokens = (TINY, 16) if args.tiny else (A14B, TEXT_TOKENS)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
-    config_text = f"{args.width}x{args.height}x{args.frames}, {args.steps} CFG steps" + (", tiny" if args.tiny else "")
+    config_text = f"{args.width}x{args.height}x{args.frames}, {args.warmup} warm-up + median of {args.steps} CFG steps"
+    config_text += ", tiny" if args.tiny else ""
     print(f"device: {name}; {config_text}")
     experts = _expert_pair(config, torch.bfloat16, device)
     inputs = _inputs(args, config, torch.bfloat16, device, text_tokens)
@@ -270,7 +266,7 @@ def main() -> None:
         r = results[mode]
         vram = f"peak VRAM {r['peak_vram_gb']:6.1f} GB  " if r["peak_vram_gb"] is not None else ""
         print(
-            f"{mode:10s} step {r['median_step_s']:7.2f} s (first {r['first_step_s']:6.2f} s)  {vram}"
+            f"{mode:10s} step {r['median_s']:7.2f} s (spread {r['spread']:.1%}, warm-up {r['warmup_s']:6.2f} s)  {vram}"
             f"host private {r['host_private_gb']:5.1f} GB  file-backed {r['host_file_gb']:5.1f} GB",
             flush=True,
         )
@@ -278,11 +274,11 @@ def main() -> None:
     if "none" in results:
         for mode in ("model", "layerwise", "group"):
             if mode in results:
-                ratio = results[mode]["median_step_s"] / results["none"]["median_step_s"]
+                ratio = results[mode]["median_s"] / results["none"]["median_s"]
                 same = torch.equal(results[mode]["output"], results["none"]["output"])
                 print(f"{mode}/none per-step time {ratio:.3f}; outputs bitwise equal: {same}")
     if "layerwise" in results and "group" in results:
-        ratio = results["group"]["median_step_s"] / results["layerwise"]["median_step_s"]
+        ratio = results["group"]["median_s"] / results["layerwise"]["median_s"]
         print(f"group/layerwise per-step time {ratio:.3f} (above 1: ours is faster)")
 
 

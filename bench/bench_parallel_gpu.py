@@ -14,6 +14,9 @@ prints the table and the speed-up over one GPU, measured in this one run:
 - `N GPUs, fsdp + ulysses N`: each rank holds 1/N of the blocks and 1/N of the tokens;
 - `N GPUs, fsdp + cfg + ulysses N/2`: the two CFG branches on separate halves.
 
+Each rank dies with its launcher (`bench.processes.die_with_parent`: torchrun starts ranks in their own sessions,
+out of reach of a time limit's signal), and `--timeout` bounds each configuration. Each row is the median of
+`--steps` timed CFG steps (each as long as its slowest rank) after one warm-up, with their spread.
 Weights are drawn on each rank for its own shard (no files: loading is measured by bench_load.py and
 tested in tests/test_parallel_sharding.py). `--json PATH` also writes the rows (bench/gpu_check.sh's table).
 `--device cpu --tiny`: the same driver and ranks on one CPU worker over gloo with a tiny config of the
@@ -38,6 +41,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.bench_offload_gpu import A14B, TEXT_TOKENS, TINY  # noqa: E402 - the one A14B config of the GPU benches
+from bench.processes import die_with_parent  # noqa: E402
+from bench.timing import sync  # noqa: E402
 
 
 def _config(spec: dict) -> dict:
@@ -45,11 +50,6 @@ def _config(spec: dict) -> dict:
         return TINY
     layers = spec["layers"]
     return {**A14B, "num_layers": layers, "vace_layers": list(range(0, layers, 5))}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _rank_run(spec: dict) -> None:
@@ -64,6 +64,7 @@ def _rank_run(spec: dict) -> None:
     from wanvace_core.parallel.sharding import local_shard_bytes, shard_expert
     from wanvace_core.runtime.interleave import apply_interleaved_vace
 
+    die_with_parent()  # torchrun starts ranks in their own sessions: a killed launcher must take them along
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     cuda = spec["device"] == "cuda"
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
@@ -134,18 +135,18 @@ def _rank_run(spec: dict) -> None:
     times = []
     with torch.no_grad():
         for step in range(spec["steps"] + 1):  # the first is a warm-up
-            _sync(device)
+            sync(device)
             dist.barrier()
             start = time.perf_counter()
             guidance.predict(expert, 5.0, Cond, common)
-            _sync(device)
+            sync(device)
             if step:
                 times.append(time.perf_counter() - start)
     result = {
         "rank": rank,
         "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
         "held_gib": held / 2**30,
-        "step_s": statistics.median(times),
+        "times": times,
     }
     if spec["cfg_parallel"]:
         # The branch worlds are separate; gather the peaks over the store.
@@ -165,7 +166,7 @@ def _rank_run(spec: dict) -> None:
     os._exit(0)
 
 
-def _run(name: str, gpus: int, spec: dict, out_dir: Path) -> dict | None:
+def _run(name: str, gpus: int, spec: dict, out_dir: Path, timeout_s: float) -> dict | None:
     out = out_dir / f"{len(list(out_dir.iterdir()))}.json"
     spec = {**spec, "out": str(out)}
     command = [
@@ -180,7 +181,12 @@ def _run(name: str, gpus: int, spec: dict, out_dir: Path) -> dict | None:
     ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     started = time.monotonic()
-    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    try:
+        # On a timeout the launcher is killed, and each rank with it (die_with_parent).
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as expired:
+        print(f"[parallel bench] {name}: TIMED OUT after {timeout_s:.0f} s\n{(expired.stderr or '')[-3000:]}")
+        return None
     if done.returncode != 0 or not out.exists():
         when = "after rank 0 wrote its results" if out.exists() else "before rank 0 wrote its results"
         print(
@@ -190,10 +196,15 @@ def _run(name: str, gpus: int, spec: dict, out_dir: Path) -> dict | None:
         return None
     ranks = json.loads(out.read_text())
     peaks = [r["peak_gib"] for r in ranks if r["peak_gib"] is not None]
+    # A step lasts as long as its slowest rank.
+    steps = [max(times) for times in zip(*(r["times"] for r in ranks), strict=True)]
+    median = statistics.median(steps)
     row = {
         "name": name,
         "gpus": gpus,
-        "step_s": max(r["step_s"] for r in ranks),
+        "step_s": median,
+        "spread": (max(steps) - min(steps)) / median if median else 0.0,
+        "timed": len(steps),
         "peak_gib": [round(peak, 1) for peak in peaks],
         "max_peak_gib": max(peaks) if peaks else None,
         "held_gib": [round(r["held_gib"], 1) for r in ranks],
@@ -201,7 +212,8 @@ def _run(name: str, gpus: int, spec: dict, out_dir: Path) -> dict | None:
     }
     vram = f", peak VRAM per GPU {row['peak_gib']} GiB" if peaks else ""
     print(
-        f"[parallel bench] {name}: {row['step_s']:.2f} s/step{vram} (weights held {row['held_gib']} GiB)",
+        f"[parallel bench] {name}: {row['step_s']:.2f} s/step (spread {row['spread']:.1%}){vram} "
+        f"(weights held {row['held_gib']} GiB)",
         flush=True,
     )
     return row
@@ -217,8 +229,17 @@ def _write_json(path: str | None, device: str, config: str, rows: list) -> None:
         if row is None:
             continue
         ratios = {} if baseline is None or row is baseline else {"speed-up": baseline["step_s"] / row["step_s"]}
-        table.append({"row": row["name"], "seconds": row["step_s"], "peak_gib": row["max_peak_gib"], "ratios": ratios})
-    report = {"bench": "parallel", "device": device, "config": config, "time_unit": "s/step", "rows": table}
+        table.append(
+            {
+                "row": row["name"],
+                "seconds": row["step_s"],
+                "spread": row["spread"],
+                "timed": row["timed"],
+                "peak_gib": row["max_peak_gib"],
+                "ratios": ratios,
+            }
+        )
+    report = {"bench": "parallel", "device": device, "config": config, "time_unit": "per CFG step", "rows": table}
     Path(path).write_text(json.dumps(report, indent=1))
 
 
@@ -231,7 +252,8 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=None, help="pixels (default 1280; --tiny 64)")
     parser.add_argument("--frames", type=int, default=None, help="4n+1 (default 81; --tiny 9)")
     parser.add_argument("--layers", type=int, default=40, help="A14B blocks (not with --tiny)")
-    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=3, help="timed CFG steps (after one warm-up)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per configuration (its ranks die too)")
     parser.add_argument("--json", help="also write the rows here as JSON (bench/gpu_check.sh's table)")
     parser.add_argument("--rank-run", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -267,12 +289,16 @@ def main() -> None:
     )
     with tempfile.TemporaryDirectory() as out_dir:
         out = Path(out_dir)
-        rows = [_run(f"1 {unit}", 1, {**base, "shard": False, "ulysses": 1, "cfg_parallel": False}, out)]
+        rows = [_run(f"1 {unit}", 1, {**base, "shard": False, "ulysses": 1, "cfg_parallel": False}, out, args.timeout)]
         _write_json(args.json, args.device, config, rows)
         if gpus == 1:
             rows.append(
                 _run(
-                    f"1 {unit}, sharded (world 1)", 1, {**base, "shard": True, "ulysses": 1, "cfg_parallel": False}, out
+                    f"1 {unit}, sharded (world 1)",
+                    1,
+                    {**base, "shard": True, "ulysses": 1, "cfg_parallel": False},
+                    out,
+                    args.timeout,
                 )
             )
         else:
@@ -282,6 +308,7 @@ def main() -> None:
                     gpus,
                     {**base, "shard": True, "ulysses": gpus, "cfg_parallel": False},
                     out,
+                    args.timeout,
                 )
             )
             if gpus % 2 == 0:
@@ -291,6 +318,7 @@ def main() -> None:
                         gpus,
                         {**base, "shard": True, "ulysses": gpus // 2, "cfg_parallel": True},
                         out,
+                        args.timeout,
                     )
                 )
     baseline = rows[0]

@@ -15,9 +15,9 @@ of gguf-py's Q8_0 quantiser (bit-exact with `gguf.quants.quantize`, checked in t
 numpy one would take minutes for 17B parameters). Every format draws the same random bf16 weights, so the
 outputs are comparable: the relative error of each format's output against bf16's is printed.
 
-Each format runs `--steps` CFG steps (two expert calls per step) per size, one format resident at a time;
-it prints the median step time (the first step is warm-up), peak VRAM, the weight bytes resident on the
-device, and the ratios to bf16 measured side by side in the same run. Sizes after the first run only if
+Each format runs `--warmup` untimed and `--steps` (>= 3) timed CFG steps (two expert calls per step) per size,
+one format resident at a time; it prints the median step time and its spread, peak VRAM, the weight bytes resident
+on the device, and the ratios to bf16 measured side by side in the same run. Sizes after the first run only if
 all formats are predicted to fit `--max-seconds` (from the first size's step times, scaled by the square
 of the token count). `--json PATH` also writes the table's rows (bench/gpu_check.sh's table), rewritten after
 each measurement so a run stopped by its time limit keeps what it finished. Without CUDA (and without
@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -41,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # The one A14B config of the GPU benches, and its tiny twin (every Linear's input width a multiple of 32, as Q8_0
 # blocks need).
 from bench.bench_offload_gpu import A14B, TINY
+from bench.timing import row_timing, sync, timed_steps
 from tests.rss import read_status, tensor_bytes
 from wanvace_core.load.pipeline_folder import set_tensor
 from wanvace_core.load.quantized import QuantizedLinear, WeightFormat, replace_linears
@@ -168,32 +168,23 @@ def _inputs(config: dict, size: tuple[int, int, int], device: torch.device, text
     }
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def measure(model, inputs: dict, steps: int, device: torch.device) -> dict:
-    """`steps` CFG steps (two calls each): median step time after the first, peak VRAM, the last output."""
+def measure(model, inputs: dict, warmup: int, steps: int, device: torch.device) -> dict:
+    """`warmup` untimed then `steps` (>= 3) timed CFG steps (two calls each): their median and spread
+    (`bench.timing.timed_steps`), peak VRAM, the last output."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    times, output = [], None
-    for _ in range(steps):
-        _sync(device)
-        start = time.perf_counter()
+
+    def step(_index: int) -> torch.Tensor:
         with torch.no_grad():
             cond = model(**inputs)[0]
             uncond = model(**inputs)[0]
-            output = uncond + 5.0 * (cond - uncond)
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return {
-        "first_step_s": times[0],
-        "step_s": statistics.median(times[1:] or times),
-        "peak_vram": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-        "output": output.float().cpu(),
-    }
+            return uncond + 5.0 * (cond - uncond)
+
+    result = timed_steps(step, warmup, steps, device)
+    result["peak_vram"] = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    result["output"] = result["output"].float().cpu()
+    return result
 
 
 def _size(nbytes: float) -> str:
@@ -230,7 +221,8 @@ def main() -> int:
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (with --tiny: checks the logic)")
     parser.add_argument("--tiny", action="store_true", help="a tiny config of the same architecture, 64x64x9")
     parser.add_argument("--sizes", help="comma-separated HxWxF (default 480x832x81,720x1280x81; --tiny 64x64x9)")
-    parser.add_argument("--steps", type=int, default=3, help="CFG steps per format and size (first is warm-up)")
+    parser.add_argument("--steps", type=int, default=3, help="timed CFG steps per format and size (>= 3)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed CFG steps before them")
     parser.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated of {', '.join(FORMATS)}")
     parser.add_argument("--max-seconds", type=float, default=120.0, help="sizes after the first must fit this")
     parser.add_argument("--json", help="also write the rows here as JSON (bench/gpu_check.sh's table)")
@@ -261,7 +253,7 @@ def main() -> int:
     for fmt in formats:
         build_start = time.perf_counter()
         model = build_expert(config, fmt, device)
-        _sync(device)
+        sync(device)
         build_s = time.perf_counter() - build_start
         kept = sum(isinstance(child, QuantizedLinear) for child in model.modules())
         weights = tensor_bytes(model)
@@ -275,7 +267,7 @@ def main() -> int:
                 continue
             inputs = _inputs(config, size, device, text_tokens)
             try:
-                result = measure(model, inputs, args.steps, device)
+                result = measure(model, inputs, args.warmup, args.steps, device)
             except torch.cuda.OutOfMemoryError:
                 print(f"[{fmt}] {'x'.join(map(str, size))}: out of memory")
                 continue
@@ -287,8 +279,8 @@ def main() -> int:
             peak = result["peak_vram"]
             vram = f"peak VRAM {_size(peak)} (above the weights {_size(peak - weights)})" if peak else ""
             print(
-                f"[{fmt}] {'x'.join(map(str, size))}: step {result['step_s']:7.3f} s (first "
-                f"{result['first_step_s']:.3f} s) {vram}"
+                f"[{fmt}] {'x'.join(map(str, size))}: step {result['median_s']:7.3f} s (spread "
+                f"{result['spread']:.1%}, warm-up {result['warmup_s']:.3f} s) {vram}"
             )
             if fmt == formats[0] and size == sizes[0] and len(sizes) > 1:
                 enabled = _plan_sizes(config, sizes, result, formats, args, time.perf_counter() - started)
@@ -302,12 +294,12 @@ def main() -> int:
 
 def _plan_sizes(config, sizes, first: dict, formats, args, elapsed: float) -> list:
     """The sizes all formats are predicted to fit `--max-seconds` (the first always runs)."""
-    per_format_first = first["build_s"] + args.steps * first["step_s"] + first["first_step_s"]
+    per_format_first = first["build_s"] + args.steps * first["median_s"] + first["warmup_s"]
     predicted = elapsed + (len(formats) - 1) * per_format_first
     enabled = sizes[:1]
     for size in sizes[1:]:
         scale = (_tokens(config, size) / _tokens(config, sizes[0])) ** 2  # attention-bound: conservative
-        cost = len(formats) * (args.steps + 1) * first["step_s"] * scale
+        cost = len(formats) * (args.steps + args.warmup) * first["median_s"] * scale
         label = "x".join(map(str, size))
         if predicted + cost <= args.max_seconds:
             enabled.append(size)
@@ -329,26 +321,28 @@ def _rows(results: dict, formats, sizes) -> list[dict]:
                 continue
             ratios, note = {}, ""
             if fmt != "bf16":
-                ratios["step/bf16"] = run["step_s"] / base["step_s"]
+                ratios["step/bf16"] = run["median_s"] / base["median_s"]
                 if run["peak_vram"] and base["peak_vram"]:
                     ratios["VRAM/bf16"] = run["peak_vram"] / base["peak_vram"]
                 ratios["weights/bf16"] = run["weights"] / base["weights"]
                 note = f"out rel err {_relative_error(run['output'], base['output']):.4f}"
             peak = run["peak_vram"] / 2**30 if run["peak_vram"] else None
             label = f"{'x'.join(map(str, size))} {fmt}"
-            rows.append({"row": label, "seconds": run["step_s"], "peak_gib": peak, "ratios": ratios, "note": note})
+            rows.append({"row": label, **row_timing(run), "peak_gib": peak, "ratios": ratios, "note": note})
     return rows
 
 
 def _write_json(args, device: torch.device, results: dict, formats, sizes) -> None:
     if args.json:
-        config = f"{'tiny config' if args.tiny else 'A14B expert'}, {args.steps} CFG steps"
+        config = (
+            f"{'tiny config' if args.tiny else 'A14B expert'}, {args.warmup} warm-up + median of {args.steps} CFG steps"
+        )
         rows = _rows(results, formats, sizes)
         report = {
             "bench": "single-file formats",
             "device": device.type,
             "config": config,
-            "time_unit": "s/step",
+            "time_unit": "per CFG step",
             "rows": rows,
         }
         Path(args.json).write_text(json.dumps(report, indent=1))
@@ -374,7 +368,8 @@ def _print_table(results: dict, formats, sizes) -> None:
             peak, base_peak = run["peak_vram"], base["peak_vram"]
             peak_text = f"{_size(peak):>11} {peak / base_peak:6.2f}x" if peak else f"{'n/a':>11} {'':>7}"
             print(
-                f"{'x'.join(map(str, size)):12} {fmt:6} {run['step_s']:8.3f} {run['step_s'] / base['step_s']:6.2f}x "
+                f"{'x'.join(map(str, size)):12} {fmt:6} {run['median_s']:8.3f} "
+                f"{run['median_s'] / base['median_s']:6.2f}x "
                 f"{peak_text} {_size(run['weights']):>11} {run['weights'] / base['weights']:6.2f}x "
                 f"{_relative_error(run['output'], base['output']):11.4f}"
             )

@@ -201,7 +201,8 @@ def main() -> None:
             peak = result["peak"] / 2**30 if cuda else None
             rows.append({"row": label, "seconds": result["seconds"], "peak_gib": peak, "ratios": ratios, "note": note})
         config = f"{args.frames} frames at {args.width}x{args.height}, {args.dtype}; peak above weights and latents"
-        report = {"bench": "VAE tiling", "device": args.device, "config": config, "time_unit": "s/decode", "rows": rows}
+        report = {"bench": "VAE tiling", "device": args.device, "config": config, "time_unit": "per decode"}
+        report["rows"] = rows
         Path(args.json).write_text(json.dumps(report, indent=1))
 
 

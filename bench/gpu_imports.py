@@ -1,0 +1,346 @@
+"""What bench/gpu_check.sh imports, and where each distribution comes from on the H200 machine.
+
+    python3 bench/gpu_imports.py list                 # every import the GPU check makes, by distribution
+    python3 bench/gpu_imports.py check                # fails unless each is on the H200 or among the wheels
+    python3 bench/gpu_imports.py runtime [--comfy DIR]  # (JSON) what importing them loads, ComfyUI's row too
+
+The files are the ones gpu_check.sh runs: the library (`wanvace_core/`), the GPU benches and every `bench.` or
+`tests.` module they import, `tests/conftest.py` and the gpu-marked test files with the test helpers they import.
+Every import statement counts, module-level or inside a function (lazy), except the `OPTIONAL` modules, which
+may appear only inside functions that no GPU step calls. ComfyUI's `comfy` package is not a distribution: the
+fast path's ComfyUI row imports the modules the benches name from the ComfyUI tree that bench/gpu_wheels.sh
+copies, and `runtime` lists what that import loads (tests/test_gpu_imports.py runs it in a subprocess).
+
+A distribution is available when bench/h200_packages.txt (the machine's python3, from the device library's
+KINDS.md) or bench/gpu_wheels.lock.json (what bench/gpu_wheels.sh downloads) names it. No network, no torch:
+`list` and `check` read source files only (the module -> distribution map is this Python's installed metadata,
+then `DISTRIBUTION_OF`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import functools
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+H200_PACKAGES = REPO / "bench" / "h200_packages.txt"
+WHEEL_LOCK = REPO / "bench" / "gpu_wheels.lock.json"
+OURS = ("wanvace_core", "tests", "bench")
+COMFY = "comfy"  # ComfyUI's package: from the tree gpu_wheels.sh copies, not a distribution
+# The benches bench/gpu_check.sh runs (each bench's own `bench.`/`tests.` imports are followed from these).
+GPU_BENCHES = (
+    "gpu_probe.py",
+    "bench_offload_gpu.py",
+    "bench_single_file_gpu.py",
+    "bench_parallel_gpu.py",
+    "bench_vae_tiling.py",
+    "bench_fast_path_gpu.py",
+)
+# Imported by no import statement of ours: diffusers' Wan pipelines clean prompts with ftfy when it is installed,
+# pytest loads pytest-timeout as a plugin (`-p pytest_timeout`), the parallel bench runs torch.distributed.run, and
+# ComfyUI's `comfy.ldm.modules.attention` runs SageAttention when `sageattention` imports (the ComfyUI row's best).
+EXTRA_MODULES = ("ftfy", "pytest", "pytest_timeout", "torch.distributed.run", "sageattention")
+# Modules the H200 lacks that GPU code never needs: allowed only inside functions (tests/test_gpu_imports.py).
+OPTIONAL = {
+    "av": "writes and reads MP4s (the offline command's output, tests/vace_tasks.lossless_video); no GPU step "
+    "touches a video file"
+}
+# Where the module's name is not its distribution's and this Python has not installed it.
+DISTRIBUTION_OF = {
+    "PIL": "pillow",
+    "yaml": "pyyaml",
+    "cv2": "opencv-python-headless",
+    "google": "protobuf",
+    "sklearn": "scikit-learn",
+    "skimage": "scikit-image",
+    "_pytest": "pytest",
+    "pytest_timeout": "pytest-timeout",
+    "typing_extensions": "typing-extensions",
+    "huggingface_hub": "huggingface-hub",
+    "cache_dit": "cache-dit",
+    "comfy_kitchen": "comfy-kitchen",
+    "comfy_aimdo": "comfy-aimdo",
+}
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+@dataclass(frozen=True)
+class Import:
+    module: str  # as written: "diffusers.hooks"
+    file: Path
+    line: int
+    lazy: bool  # inside a function body: runs only when the function does
+
+    @property
+    def top(self) -> str:
+        return self.module.split(".")[0]
+
+    def where(self) -> str:
+        shown = self.file.relative_to(REPO) if self.file.is_relative_to(REPO) else self.file
+        return f"{shown}:{self.line}{' (lazy)' if self.lazy else ''}"
+
+
+def imports_in(path: Path) -> list[Import]:
+    """Every absolute import of `path` (`from x import y` also as `x.y`), noting those inside a function."""
+    found: list[Import] = []
+
+    def visit(node: ast.AST, lazy: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = lazy or isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda)
+            if isinstance(child, ast.Import):
+                found.extend(Import(alias.name, path, child.lineno, lazy) for alias in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.level == 0 and child.module != "__future__":
+                found.append(Import(child.module, path, child.lineno, lazy))
+                found.extend(
+                    Import(f"{child.module}.{alias.name}", path, child.lineno, lazy)
+                    for alias in child.names
+                    if alias.name != "*"
+                )
+            visit(child, inner)
+
+    visit(ast.parse(path.read_text(), str(path)), False)
+    return found
+
+
+def gpu_test_files() -> list[Path]:
+    """The test files with a `pytest.mark.gpu` test (what gpu_check.sh hands to pytest)."""
+    return sorted(path for path in (REPO / "tests").glob("test_*.py") if "pytest.mark.gpu" in path.read_text())
+
+
+def _own_file(module: str, importer: Path) -> Path | None:
+    """The file of one of our modules (`bench.x`, `tests.x`, or a bare `x` beside a test helper), else None."""
+    parts = module.split(".")
+    candidates = []
+    if parts[0] in ("bench", "tests"):
+        candidates.append(REPO.joinpath(*parts).with_suffix(".py"))
+    elif importer.parent == REPO / "tests":
+        candidates.append((REPO / "tests").joinpath(*parts).with_suffix(".py"))  # tests/ on sys.path
+    return next((path for path in candidates if path.exists()), None)
+
+
+def checked_files() -> list[Path]:
+    """The files whose imports the GPU check makes: ours, followed from the benches and the gpu-marked tests."""
+    queue = sorted((REPO / "wanvace_core").rglob("*.py")) + [REPO / "bench" / name for name in GPU_BENCHES]
+    queue += [REPO / "tests" / "conftest.py", *gpu_test_files()]
+    seen: list[Path] = []
+    while queue:
+        path = queue.pop(0)
+        if path in seen:
+            continue
+        seen.append(path)
+        for found in imports_in(path):
+            helper = _own_file(found.module, path)
+            if helper is not None:
+                queue.append(helper)
+    return seen
+
+
+def all_imports() -> list[Import]:
+    files = checked_files()
+    found = [found for path in files for found in imports_in(path)]
+    found += [Import(module, Path(__file__), 0, False) for module in EXTRA_MODULES]
+    return found
+
+
+def third_party(found: list[Import]) -> list[Import]:
+    """The imports of distributions: not the standard library, not ours, not ComfyUI's tree, not bare helpers."""
+    local = {path.stem for path in (REPO / "tests").glob("*.py")}
+    return [
+        item
+        for item in found
+        if item.top not in sys.stdlib_module_names
+        and item.top not in (*OURS, COMFY)
+        and not (item.file.parent == REPO / "tests" and item.top in local)
+    ]
+
+
+def comfy_modules(found: list[Import], tree: Path) -> list[str]:
+    """The ComfyUI modules the benches import (the fast path's ComfyUI row) that are modules of `tree` (not names
+    imported from one), in a stable order."""
+    names = set()
+    for item in found:
+        path = tree.joinpath(*item.module.split("."))
+        if item.top == COMFY and (path.with_suffix(".py").exists() or (path / "__init__.py").exists()):
+            names.add(item.module)
+    return sorted(names)
+
+
+@functools.cache
+def _installed_distributions() -> dict[str, list[str]]:
+    import importlib.metadata
+
+    return importlib.metadata.packages_distributions()
+
+
+def distributions(top: str) -> list[str]:
+    """The distributions that may provide the top-level module `top` (canonical names)."""
+    installed = _installed_distributions().get(top)
+    if installed:
+        return sorted({canonical(name) for name in installed})
+    return [canonical(DISTRIBUTION_OF.get(top, top))]
+
+
+def _requirement_lines(path: Path) -> list[str]:
+    lines = (line.split("#", 1)[0].strip() for line in path.read_text().splitlines())
+    return [line for line in lines if line]
+
+
+def machine_packages(path: Path = H200_PACKAGES) -> dict[str, str | None]:
+    """bench/h200_packages.txt: canonical name -> version (None where the list gives none)."""
+    packages: dict[str, str | None] = {}
+    for line in _requirement_lines(path):
+        name, _, version = line.partition("==")
+        packages[canonical(name)] = version.strip() or None
+    return packages
+
+
+def locked_wheels(path: Path = WHEEL_LOCK) -> dict[str, dict]:
+    """bench/gpu_wheels.lock.json's wheels: canonical name -> its entry."""
+    if not path.exists():
+        return {}
+    return {canonical(entry["name"]): entry for entry in json.loads(path.read_text())["wheels"]}
+
+
+def source_of(dists: list[str], machine: dict, wheels: dict) -> str | None:
+    """'wheels' or 'machine' for the first distribution available, else None."""
+    for dist in dists:
+        if dist in wheels:
+            return "wheels"
+        if dist in machine:
+            return "machine"
+    return None
+
+
+def problems(found: list[Import], machine: dict, wheels: dict) -> list[str]:
+    """Why the GPU check would fail to import on the H200: missing distributions and optional modules imported
+    at module level. Empty when every import is covered."""
+    out = []
+    by_top: dict[str, list[Import]] = {}
+    for item in third_party(found):
+        by_top.setdefault(item.top, []).append(item)
+    for top, items in sorted(by_top.items()):
+        if top in OPTIONAL:
+            eager = [item for item in items if not item.lazy]
+            if eager:
+                out.append(
+                    f"{top} is optional on the GPU machine ({OPTIONAL[top]}) but imported at module level: "
+                    f"{', '.join(item.where() for item in eager)}; import it inside the function that needs it"
+                )
+            continue
+        dists = distributions(top)
+        if source_of(dists, machine, wheels) is None:
+            where = ", ".join(sorted({item.where() for item in items})[:4])
+            out.append(
+                f"{top} (distribution {' or '.join(dists)}) is neither on the H200 machine (bench/h200_packages.txt) "
+                f"nor among the wheels (bench/gpu_wheels.lock.json); imported at {where}. Add it to the wheels "
+                "(bench/gpu_wheels.sh --lock) or import it only where GPU code does not run."
+            )
+    return out
+
+
+def runtime(comfy_dir: str | None, modules: list[str]) -> dict:
+    """Imports `modules` (ours), then ComfyUI's bench modules from `comfy_dir`, in this process, and records each
+    import statement that runs (`builtins.__import__`), module-level chains included. Returns, per stage, the
+    top-level modules that our code, ComfyUI's tree or a wheel's package imported successfully (what the machine's
+    own packages import among themselves is the machine's business), with who imported them; and what failed."""
+    import builtins
+    import importlib
+    import importlib.metadata
+
+    sys.path.insert(0, str(REPO))
+    import torch  # the machine's own; its dependencies are the machine's business
+
+    wheel_tops = {
+        top
+        for top, dists in importlib.metadata.packages_distributions().items()
+        if {canonical(dist) for dist in dists} & set(locked_wheels())
+    }
+    importers = {*OURS, COMFY, *wheel_tops}
+    seen: dict[str, set[str]] = {}
+    original_import = builtins.__import__
+
+    def recording_import(name, globals=None, locals=None, fromlist=(), level=0):
+        module = original_import(name, globals, locals, fromlist, level)
+        importer = (globals or {}).get("__name__") or ""
+        if level == 0 and importer.split(".")[0] in importers:
+            seen.setdefault(name.split(".")[0], set()).add(importer)
+        return module
+
+    stages = {"ours": modules, "comfy": comfy_modules(all_imports(), Path(comfy_dir)) if comfy_dir else []}
+    loaded, failed = {}, {}
+    builtins.__import__ = recording_import
+    try:
+        for stage, names in stages.items():
+            seen.clear()
+            if stage == "comfy" and names:
+                sys.path.append(comfy_dir)  # after ours: the tree's own `tests` package must not shadow ours
+                from comfy.cli_args import args as comfy_args
+
+                comfy_args.cpu = not torch.cuda.is_available()
+            for name in names:
+                try:
+                    importlib.import_module(name)
+                except Exception as error:  # every failure is reported with its module
+                    failed[name] = f"{type(error).__name__}: {error}"
+            loaded[stage] = {
+                top: sorted(by)[:3]
+                for top, by in sorted(seen.items())
+                if top not in sys.stdlib_module_names and top not in (*OURS, COMFY) and top in sys.modules
+            }
+    finally:
+        builtins.__import__ = original_import
+    return {"loaded": loaded, "failed": failed}
+
+
+def our_modules() -> list[str]:
+    """The importable module names of the checked files (tests and benches as `tests.x`, `bench.x`)."""
+    names = []
+    for path in checked_files():
+        relative = path.relative_to(REPO).with_suffix("")
+        names.append(".".join(relative.parts).removesuffix(".__init__"))
+    return names
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("list", help="every third-party import, with its distribution and source")
+    commands.add_parser("check", help="exit 1 unless every import is on the H200 or among the wheels")
+    p = commands.add_parser("runtime", help="(JSON) what importing our modules and ComfyUI's row loads")
+    p.add_argument("--comfy", help="a ComfyUI tree (the one bench/gpu_wheels.sh copies)")
+    args = parser.parse_args()
+    if args.command == "runtime":
+        print(json.dumps(runtime(args.comfy, our_modules())))
+        return 0
+    found = all_imports()
+    machine, wheels = machine_packages(), locked_wheels()
+    if args.command == "list":
+        by_top: dict[str, list[Import]] = {}
+        for item in third_party(found):
+            by_top.setdefault(item.top, []).append(item)
+        for top, items in sorted(by_top.items()):
+            dists = distributions(top)
+            source = "optional" if top in OPTIONAL else source_of(dists, machine, wheels) or "MISSING"
+            lazy = "lazy only" if all(item.lazy for item in items) else "module level"
+            print(f"{top:20} {'/'.join(dists):28} {source:8} {lazy:12} {items[0].where()}")
+        print(f"ComfyUI modules: {', '.join(sorted({i.module for i in found if i.top == COMFY}))}")
+        return 0
+    found_problems = problems(found, machine, wheels)
+    for problem in found_problems:
+        print(f"[gpu imports] {problem}")
+    if not found_problems:
+        print(f"[gpu imports] every import of {len(checked_files())} files is on the H200 machine or among the wheels")
+    return 1 if found_problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
