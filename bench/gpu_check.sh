@@ -44,13 +44,14 @@ summary() { # the table so far into $OUT_DIR (printed with --print)
 
 # step KEY KIND NAME LIMIT_S ESTIMATE_S JSON_NAME|- COMMAND...: runs COMMAND under `timeout`, never past the
 # budget, then kills whatever it left running (torchrun's ranks live in their own sessions) and writes the table.
-# KIND: setup, cpu, tests, gpu (must run) or extra (only with budget left). KEY: for WANVACE_GPU_STEPS.
+# KIND: setup (always), cpu, tests, gpu (must run), extra (only with budget left) or args (no CUDA: the GPU
+# steps' command lines). KEY: for WANVACE_GPU_STEPS.
 step() {
     local key="$1" kind="$2" name="$3" limit="$4" estimate="$5" json="$6"
     shift 6
     local left=$((BUDGET_S - SECONDS)) state
-    if [ "$STEPS" != ",," ] && [[ $STEPS != *",$key,"* ]]; then
-        return 0 # not chosen for this run: not shown
+    if [ "$kind" != setup ] && [ "$STEPS" != ",," ] && [[ $STEPS != *",$key,"* ]]; then
+        return 0 # not chosen for this run (the set-up always runs): not shown
     fi
     if [ "$kind" = extra ] && [ "$left" -lt "$((estimate + 10))" ]; then
         echo "===== $name: skipped: ${left} s of the ${BUDGET_S} s budget left, it needs ~${estimate} s ====="
@@ -118,45 +119,55 @@ cpu_part() { # each bench's logic on tiny configs; the dry run's proof that the 
 }
 
 gpu_part() { # most valuable first; each estimate is written next to its step
-    local pytest=("$@") peak=()
+    # `gpu_part args PYTEST...` (no CUDA): every GPU step's command line, which parses its arguments, imports its
+    # modules and exits at "no CUDA device" (the tests skip): the dry run's proof that each will start.
+    local mode="$1" peak=() gpu=gpu extra=extra label="" limit
+    shift
+    local pytest=("$@")
+    if [ "$mode" = args ]; then
+        gpu=args extra=args label="args: "
+    fi
+    # limit MAX: the step's limit on a GPU, the CPU part's in the argument check.
+    limit() { if [ "$mode" = args ]; then echo "$CPU_LIMIT_S"; else echo "$1"; fi; }
     # ~30 s: torch + CUDA start ~10 s; GEMM 8192^3 1.4 ms x 23; copy 4 GiB ~1 ms x 23; one block (~0.7 GB) H2D x 15;
     # attention, 4 backends + sageattn at 32760 tokens (~45 ms a call) and 75600 (~0.25 s) x 4 calls; fp8 at the FFN
     # shapes, ~20 cases of ~8 ms x 12 calls.
-    step probe gpu "machine probe (GEMM, copies, attention, fp8)" 75 30 probe.json \
+    step probe "$gpu" "${label}machine probe (GEMM, copies, attention, fp8)" "$(limit 75)" 30 probe.json \
         "$PY" bench/gpu_probe.py --json "$WORK/probe.json" || status=1
     local tflops
     tflops="$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["ceilings"]["gemm_tflops"])' \
         "$WORK/probe.json" 2>/dev/null)" && peak=(--peak-tflops "$tflops")
+    [ "$mode" = args ] && peak=(--peak-tflops 780)
     # ~75 s: 7 tests on tiny models (collection imports ~10 s; the two parallel ones start workers, ~20 s each).
-    step tests tests "gpu tests (${#gpu_tests[@]} files, -m gpu, 60 s per test)" 120 75 - \
+    step tests tests "${label}gpu tests (${#gpu_tests[@]} files, -m gpu, 60 s per test)" "$(limit 120)" 75 - \
         "${pytest[@]}" -m gpu -q -rfEs --timeout 60 --junitxml "$OUT_DIR/junit.xml" "${gpu_tests[@]}" || status=1
     # ~150 s: 4 of the 40 A14B blocks + 1 VACE block (~0.2 PFLOP a pass, ~0.9 s a CFG step); 7 rows + ComfyUI, each
     # 1 warm-up + 3 timed steps (~30 s in all), of which the two compiled rows' warm-ups compile ~4 graphs (~100 s).
-    step fast480 gpu "fast path 480x832x81, 4 + 1 blocks, vs ComfyUI" 200 150 fast_path_480.json \
+    step fast480 "$gpu" "${label}fast path 480x832x81, 4 + 1 blocks, vs ComfyUI" "$(limit 200)" 150 fast_path_480.json \
         "$PY" bench/bench_fast_path_gpu.py --sizes 480x832x81 --layers 4 --steps 3 "${peak[@]}" \
         --json "$WORK/fast_path_480.json" || status=1
     # ~90 s: two A14B-sized experts (35 GB of host weights, drawn on the GPU: ~10 s); per mode 1 warm-up + 3 timed
     # CFG steps of ~7 s (none moves 35 GB up first, ~3 s; layerwise streams it per pass, overlapped).
-    step offload gpu "offload 480x832x81: none, layerwise" 130 90 offload_480.json \
+    step offload "$gpu" "${label}offload 480x832x81: none, layerwise" "$(limit 130)" 90 offload_480.json \
         "$PY" bench/bench_offload_gpu.py --height 480 --width 832 --frames 81 --modes none,layerwise --steps 3 \
         --json "$WORK/offload_480.json" || status=1
     # ~80 s: one A14B expert in bf16, then with kept fp8 weights (built on the GPU, ~5 s each), 1 + 3 CFG steps each.
-    step single gpu "single-file formats 480x832x81: bf16, fp8" 120 80 single_file_480.json \
+    step single "$gpu" "${label}single-file formats 480x832x81: bf16, fp8" "$(limit 120)" 80 single_file_480.json \
         "$PY" bench/bench_single_file_gpu.py --sizes 480x832x81 --formats bf16,fp8 --steps 3 \
         --json "$WORK/single_file_480.json" || status=1
     # Only with budget left (a rerun: WANVACE_GPU_STEPS=fast720,vae,parallel).
     # ~110 s: a 720p CFG step of the 5 blocks ~4 s (attention 5x, the rest 2.3x 480p's); today, attention auto and
     # all (its warm-up compiles 2 graphs, ~50 s), and ComfyUI; a fresh process, so every graph is traced once.
-    step fast720 extra "fast path 720x1280x81, 4 + 1 blocks, vs ComfyUI" 150 110 fast_path_720.json \
-        "$PY" bench/bench_fast_path_gpu.py --sizes 720x1280x81 --layers 4 --steps 3 --rows today,attention_auto,all \
-        "${peak[@]}" --json "$WORK/fast_path_720.json" || status=1
+    step fast720 "$extra" "${label}fast path 720x1280x81, 4 + 1 blocks, vs ComfyUI" "$(limit 150)" 110 \
+        fast_path_720.json "$PY" bench/bench_fast_path_gpu.py --sizes 720x1280x81 --layers 4 --steps 3 \
+        --rows today,attention_auto,all "${peak[@]}" --json "$WORK/fast_path_720.json" || status=1
     # ~40 s: untiled vs tiled decode of 33 frames at 720p, bf16 (the decoder's peak hardly grows with length).
-    step vae extra "VAE tiling 720x1280x33" 60 40 vae_720.json \
+    step vae "$extra" "${label}VAE tiling 720x1280x33" "$(limit 60)" 40 vae_720.json \
         "$PY" bench/bench_vae_tiling.py --device cuda --frames 33 --height 720 --width 1280 --tile-size 256 \
         --overlap 64 --json "$WORK/vae_720.json" || status=1
     # ~60 s: 1 GPU against the sharded path at world 1, 10 of the 40 blocks at 480p, under torchrun (~20 s to start
     # each), 1 + 3 steps of ~1.8 s.
-    step parallel extra "parallel 480x832x81, 10 blocks" 90 60 parallel_480.json \
+    step parallel "$extra" "${label}parallel 480x832x81, 10 blocks" "$(limit 90)" 60 parallel_480.json \
         "$PY" bench/bench_parallel_gpu.py --height 480 --width 832 --frames 81 --layers 10 --steps 3 --timeout 80 \
         --json "$WORK/parallel_480.json" || status=1
 }
@@ -206,18 +217,20 @@ main() {
         "$PY" -c 'import platform, torch; print(f"no CUDA device (CPU part only); torch {torch.__version__}, \
 Python {platform.python_version()}")' >"$WORK/device.txt"
         cpu_part "${pytest[@]}"
+        gpu_part args "${pytest[@]}"
         summary --print
         if [ "$status" -ne 0 ]; then
             echo "[gpu_check] FAILED (above); no CUDA device here either"
             return 1
         fi
-        echo "[gpu_check] no CUDA device: every import and each bench's CPU part passed; nothing measured on a GPU"
+        echo "[gpu_check] no CUDA device: every import, each bench's CPU part and each GPU step's command line passed;" \
+            "nothing measured on a GPU"
         return 0
     fi
     "$PY" -c 'import platform, torch; p = torch.cuda.get_device_properties(0); print(f"{p.name}, \
 {p.total_memory / 2**30:.0f} GiB x {torch.cuda.device_count()}, torch {torch.__version__} (CUDA {torch.version.cuda}), \
 Python {platform.python_version()}")' | tee "$WORK/device.txt"
-    gpu_part "${pytest[@]}"
+    gpu_part gpu "${pytest[@]}"
     summary --print
     return "$status"
 }

@@ -53,8 +53,9 @@ if [ "${1:-}" = "--fresh" ] || [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$PY3
     echo "$PY312 ${BASE[*]}" >"$STAMP"
     echo "[gpu_dry_run] venv built in $((SECONDS - start)) s"
 fi
-# Only what the H200 machine has: a package it lacks would let an import pass here that fails there.
-"$VENV/bin/python" - <<'PYTHON' || die "the venv holds packages the H200 machine does not have (above)"
+# Only what the H200 machine has, where it matters: a distribution it lacks that the GPU check imports would let an
+# import pass here that fails there. (pip may add others the check never imports: newer typer needs pydantic.)
+"$VENV/bin/python" - <<'PYTHON' || die "the venv differs from the H200 machine where the GPU check imports (above)"
 import importlib.metadata
 import sys
 
@@ -62,23 +63,32 @@ sys.path.insert(0, "bench")
 import gpu_imports
 
 machine = gpu_imports.machine_packages()
+imported = {item.top for item in gpu_imports.third_party(gpu_imports.all_imports())}
+provides = {}
+for top, dists in importlib.metadata.packages_distributions().items():
+    for dist in dists:
+        provides.setdefault(gpu_imports.canonical(dist), set()).add(top)
 venv_only = {"pip", "setuptools", "wheel"}
-extra, other_version = [], []
+extra, other_version, harmful = [], [], []
 for dist in importlib.metadata.distributions():
     name = gpu_imports.canonical(dist.metadata["Name"])
     if name in venv_only:
         continue
     if name not in machine:
         extra.append(f"{name} {dist.version}")
+        if provides.get(name, set()) & imported:
+            harmful.append(name)
     elif machine[name] and machine[name] != dist.version:
         other_version.append(f"{name} {dist.version} (the machine: {machine[name]})")
+if extra:
+    print("[gpu_dry_run] not in bench/h200_packages.txt, never imported by the GPU check: " + ", ".join(sorted(extra)))
 if other_version:
     print("[gpu_dry_run] versions other than the H200 machine's: " + ", ".join(other_version))
-if extra:
-    print("[gpu_dry_run] not in bench/h200_packages.txt: " + ", ".join(sorted(extra)))
-sys.exit(1 if other_version or extra else 0)
+if harmful:
+    print("[gpu_dry_run] not on the H200 machine but imported by the GPU check: " + ", ".join(harmful))
+sys.exit(1 if other_version or harmful else 0)
 PYTHON
-echo "[gpu_dry_run] the venv holds only packages of bench/h200_packages.txt, at the machine's recorded versions"
+echo "[gpu_dry_run] the venv holds the H200 machine's recorded versions and nothing the GPU check imports that it lacks"
 if ! compgen -G "$ROOT/.gpu-wheels/*.whl" >/dev/null; then
     bash bench/gpu_wheels.sh || die "bench/gpu_wheels.sh failed"
 fi

@@ -103,6 +103,12 @@ def cuda_argument_rules(scaled_mm, calls: list[dict]):
 
     def checked(mat1, mat2, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False):
         out = out_dtype or mat1.dtype
+        if mat1.shape[1] % 16 or mat2.shape[0] % 16 or mat2.shape[1] % 16:
+            raise RuntimeError(f"mat1 {tuple(mat1.shape)} / mat2 {tuple(mat2.shape)}: K and N must be divisible by 16")
+        if mat1.stride(1) != 1 or mat2.stride(0) != 1:
+            raise RuntimeError("mat1 must be row-major and mat2 column-major")
+        if bias is not None and bias.numel() != mat2.shape[1]:
+            raise RuntimeError(f"Bias must be size {mat2.shape[1]} but got {bias.numel()}")
         if bias is not None:
             if out == torch.float32:
                 raise RuntimeError("Bias is not supported when out_dtype is set to Float32")

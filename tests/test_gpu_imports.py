@@ -99,6 +99,7 @@ def test_the_wheel_lock_is_a_resolution_of_its_inputs():
     assert {"diffusers", "cache-dit", "gguf", "comfy-kitchen", "sageattention"} <= set(wheels)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     os.environ.get("WANVACE_SET", "current") != "current" or not CURRENT_TREE.exists(),
     reason="the wheels and ComfyUI's row are the current set's (ComfyUI 0.33)",
