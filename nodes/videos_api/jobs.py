@@ -431,15 +431,12 @@ PARAM_OF_INPUT = {
 # Option nodes built from a JSON object of extra_params: their inputs are that object's keys.
 OPTION_NODES = {"WanVACECacheOptions": "extra_params.cache", "WanVACEContextWindows": "extra_params.context_windows"}
 # Node inputs that hold the video's size and length (the conditioning's, and the copies the shipped workflows give
-# the image nodes), by what they hold: the request field is the one that set it (`VideoRequest.sources`).
+# the nodes that arrange the inputs), by what they hold: the request field is the one that set it
+# (`VideoRequest.sources`).
 SIZE_OR_LENGTH_OF_INPUT = {
-    **{
-        (node, name): name
-        for node in ("WanVACEConditioning", "ImageScale", "SolidMask", "EmptyImage")
-        for name in ("width", "height")
-    },
-    ("WanVACEConditioning", "length"): "length",
-    ("EmptyImage", "batch_size"): "length",  # the first/last-frame workflow's gap: length - 2
+    (node, name): name
+    for node in ("WanVACEConditioning", "WanVACEControlVideo", "WanVACEFirstLastFrame", "WanVACEOutpaintCanvas")
+    for name in ("width", "height", "length")
 }
 
 
@@ -473,12 +470,22 @@ def _about(inputs: list[str], text: str) -> str:
     return inputs[0]
 
 
+# Graph-editor names a node's refusal may give as the remedy, as the request spells them.
+REQUEST_TERMS = {
+    "WanVACE Context Windows": "extra_params.context_windows",
+    "WanVACE Cache Options": "extra_params.cache",
+}
+
+
 def _in_request_terms(class_type: str, input_name: str, text: str, request: VideoRequest) -> tuple[str | None, str]:
     """The request field behind a refused node input, and the refusal worded in the request's terms."""
+    for node_term, request_term in REQUEST_TERMS.items():
+        text = text.replace(node_term, request_term)
     held = SIZE_OR_LENGTH_OF_INPUT.get((class_type, input_name))
     if held is not None:
         param = request.sources.get(held, "num_frames" if held == "length" else held)
-        text = re.sub(r"\blength=", "num_frames=", text) if held == "length" else text
+        # The node's "length" is the request's frame count, whichever field set it.
+        text = re.sub(r"\blength\b", "num_frames", text) if held == "length" else text
         if param == "size":
             return param, f"size={request.size}: {text}"
         if param == "seconds":
