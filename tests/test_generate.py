@@ -13,7 +13,7 @@ import numpy as np
 import PIL.Image
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from wanvace_core import generate
 from wanvace_core.generation.tasks import EMPTY_IMAGE_GREY, Outpaint, task_inputs
@@ -97,25 +97,62 @@ def test_the_guidance_flags_map_to_the_stages_as_the_recipe_has_them(tiny_folder
     [
         (["--num-frames", "10"], "--num-frames=10 frames is not of the form 4n+1"),
         (["--width", "70"], "--width=70 is not a positive multiple of 16; use 64"),
-        (["--mode", "i2v"], "mode i2v needs image"),
-        (["--mode", "t2v", "--image", "IMAGE"], "mode t2v does not use image"),
+        (["--width", "832", "--height", "480", "--num-frames", "81"], "--width=832 is more than this model can run"),
+        (["--num-frames", "161"], "--num-frames=161 gives 41 latent frames per transformer call"),
+        (["--num-frames", "241", "--context-length", "161"], "--context-length=161 gives 41 latent frames per window"),
+        (["--mode", "i2v"], "--mode i2v needs --image"),
+        (["--mode", "t2v", "--image", "IMAGE"], "--mode t2v does not use --image"),
         (["--mode", "i2v", "--image", "MISSING"], "--image"),
-        (["--mode", "outpaint", "--video", "VIDEO"], "outpaint pads no side"),
+        (
+            ["--mode", "outpaint", "--video", "VIDEO"],
+            "--mode outpaint pads no side; give at least one of --outpaint-left",
+        ),
+        (["--prompt", " "], "--prompt is empty"),
+        (["--strength", "nan"], "--strength=nan is not a finite number"),
+        (["--guidance-scale", "nan"], "--guidance-scale=nan is not a finite number"),
+        (["--guidance-scale-2", "0.5"], "--guidance-scale-2=0.5 is below 1.0"),
+        (["--num-inference-steps", "0"], "--num-inference-steps=0 must be at least 1"),
+        (["--seed", "-1"], "--seed=-1 must lie in [0, 2**64)"),
+        (["--boundary-ratio", "1.5"], "--boundary-ratio=1.5 must lie in [0, 1]"),
+        (["--flow-shift", "100", "--num-inference-steps", "20"], "--flow-shift=100.0 with --num-inference-steps=20"),
+        (["--fps", "0"], "--fps 0.0 must be a positive number"),
+        (["--cache", "DBCache", "--cache-threshold", "nan"], "--cache-threshold=nan is not a finite number"),
+        (["--context-length", "10"], "--context-length=10 must be 4n+1"),
+        (["--context-length", "17", "--context-overlap", "6"], "--context-overlap=6 must be a multiple of 4"),
+        (["--lora", "MISSING"], "--lora "),
+        (["--lora", "IMAGE"], "--lora "),
+        (["--lora", "LORA:nan"], "--lora=nan"),
+        (["--parallel-devices", "cuda:0,cuda:1"], "--parallel-devices: devices names cuda:0, cuda:1"),
+        (["--parallel-devices", "cpu,cpu", "--ulysses-degree", "3"], "--ulysses-degree=3 must divide"),
+        (["--parallel-devices", "cpu,cpu", "--lora", "LORA"], "--lora does not run yet with --parallel-devices"),
+        (["--device", "cuda:7"], "--device cuda:7"),
+        (["--device", "tpu"], "--device 'tpu' is not a device name"),
     ],
 )
-def test_bad_flags_are_refused_naming_them_before_the_model_loads(tiny_folder, tmp_path, capsys, extra, fragment):
+def test_bad_flags_are_refused_in_one_line_naming_them_before_the_model_loads(
+    tiny_folder, tmp_path, capsys, monkeypatch, extra, fragment
+):
     image = _png(tmp_path / "image.png")
     video = tmp_path / "video.mov"
     generate.write_mp4(str(video), torch.rand(5, HEIGHT, WIDTH, 3), 16.0)
+    lora = tmp_path / "style.safetensors"
+    save_file({"lora_unet_blocks_0_attn1_to_q.lora_down.weight": torch.zeros(4, 16)}, str(lora))
     replaced = [
-        {"IMAGE": str(image), "VIDEO": str(video), "MISSING": str(tmp_path / "missing.png")}.get(flag, flag)
+        {"IMAGE": str(image), "VIDEO": str(video), "MISSING": str(tmp_path / "missing.png"), "LORA": str(lora)}.get(
+            flag, flag.replace("LORA", str(lora))
+        )
         for flag in extra
     ]
+    loaded = []
+    monkeypatch.setattr(generate, "load_pipeline", lambda *args, **kwargs: loaded.append(args))
     flags = _flags(tiny_folder, tmp_path / "o.mp4")
     # Later flags win in argparse, so the case's flags override the defaults.
     assert generate.main([*flags, *replaced]) == 2
     error = capsys.readouterr().err
+    lines = error.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --"), error
     assert fragment in error, error
+    assert loaded == [], "refused after the model loaded"
     assert not (tmp_path / "o.mp4").exists()
 
 

@@ -16,9 +16,14 @@ latents as ComfyUI's SaveLatent does (`latent_tensor` in a .latent safetensors f
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import logging
+import math
+import re
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -37,13 +42,19 @@ from . import (
     VAETiling,
     WanVACEError,
     decode,
+    inspect_pipeline_folder,
     load_pipeline,
     prepare_conditioning,
     sample,
     to_vae_space,
     validate_generation_size,
+    validate_vace_inputs,
 )
+from .generation.limits import SizeNames, check_size, size_limits_of_folder
+from .generation.sampling import timesteps_for
 from .generation.tasks import MODES, Outpaint, task_inputs
+from .generation.windows import check_schedule_with_cache
+from .load.folder import read_safetensors_header
 from .parallel import ParallelOptions
 
 logger = logging.getLogger("wanvace_core.generate")
@@ -173,68 +184,241 @@ def _loras(specs: list[str]) -> list[LoraPatch]:
     return patches
 
 
+# The core's names for what the flags set, as its refusals name them; the command line names the flag instead.
+_FLAG_OF = {
+    "width": "--width",
+    "height": "--height",
+    "length": "--num-frames",
+    "steps": "--num-inference-steps",
+    "seed": "--seed",
+    "cfg_low_noise": "--guidance-scale",
+    "boundary_ratio": "--boundary-ratio",
+    "shift": "--flow-shift",
+    "scheduler": "--scheduler",
+    "strength": "--strength",
+    "positive": "--prompt",
+    "negative": "--negative-prompt",
+    "residual_diff_threshold": "--cache-threshold",
+    "context_length": "--context-length",
+    "context_overlap": "--context-overlap",
+    "devices": "--parallel-devices",
+    "ulysses_degree": "--ulysses-degree",
+    "cfg_parallel": "--cfg-parallel",
+    "strength_high_noise": "--lora",
+    "strength_low_noise": "--lora",
+    "path": "--lora",
+    "dtype": "--dtype",
+    "control_video": "--video",
+    "control_masks": "--mask",
+    "reference_images": "--reference",
+}
+# What the VACE modes' refusals (generation/tasks.py) call the flags' files.
+_TASK_FLAG_OF = {
+    "image": "--image",
+    "last_image": "--last-image",
+    "video": "--video",
+    "mask": "--mask",
+    "references": "--reference",
+}
+
+
+def _flagged(message: str, flags: dict[str, str], bare: bool = False) -> str:
+    """`message` with each core name followed by `=` spelled as its flag; with `bare`, also the names a VACE mode
+    "needs" or "does not use"."""
+
+    def spelled(text: str, ending: str) -> str:
+        for name, flag in sorted(flags.items(), key=lambda item: -len(item[0])):
+            text = re.sub(rf"(?<![\w-]){re.escape(name)}{ending}", flag, text)
+        return text
+
+    message = spelled(message, "(?==)")
+    if bare:
+        message = re.sub(r"(needs |does not use )([^;(]*)", lambda match: match[1] + spelled(match[2], r"\b"), message)
+    return message
+
+
+@contextlib.contextmanager
+def _refusing(flag: str, flags: dict[str, str] | None = None, bare: bool = False):
+    """Turns a core refusal raised inside into one naming the command line's flags; `flag` leads where none does."""
+    try:
+        yield
+    except WanVACEError as error:
+        message = _flagged(str(error), _FLAG_OF if flags is None else flags, bare)
+        if message.startswith(flag.replace("--", "", 1) + " "):  # "mode i2v needs ..." -> "--mode i2v needs ..."
+            message = "--" + message
+        elif not message.startswith("--"):
+            message = f"{flag}: {message}"
+        raise GenerateError(message) from error
+
+
+@dataclass(frozen=True)
+class Job:
+    """Everything the flags ask for, checked before the model loads."""
+
+    inputs: VACEInputs
+    settings: SamplerSettings
+    cache: CacheOptions | None
+    windows: ContextWindowOptions | None
+    loras: list[LoraPatch]
+    parallel: ParallelOptions | None
+    device: str
+    tiling: VAETiling
+
+
 def job_from_args(args: argparse.Namespace) -> tuple[VACEInputs, SamplerSettings]:
     """The conditioning inputs and sampler settings the flags ask for, validated before any model loads."""
     validate_generation_size(args.width, args.height, args.num_frames, names=("--width", "--height", "--num-frames"))
+    if not args.prompt.strip():
+        raise GenerateError("--prompt is empty; describe the video you want.")
     outpaint = None
+    sides = ("left", "top", "right", "bottom")
     if args.mode == "outpaint":
-        outpaint = Outpaint(args.outpaint_left, args.outpaint_top, args.outpaint_right, args.outpaint_bottom)
-    fields = task_inputs(
-        args.mode,
-        args.width,
-        args.height,
-        args.num_frames,
-        image=_read_image("--image", args.image) if args.image else None,
-        last_image=_read_image("--last-image", args.last_image) if args.last_image else None,
-        video=_read_video("--video", args.video) if args.video else None,
-        mask=_read_mask(args.mask) if args.mask else None,
-        references=torch.cat([_read_image("--reference", path) for path in args.reference]) if args.reference else None,
-        outpaint=outpaint,
-    )
-    inputs = VACEInputs(
-        args.prompt, args.negative_prompt, args.width, args.height, args.num_frames, strength=args.strength, **fields
-    )
+        pads = [getattr(args, f"outpaint_{side}") for side in sides]
+        if not any(pads):
+            raise GenerateError(
+                "--mode outpaint pads no side; give at least one of "
+                f"{', '.join(f'--outpaint-{side}' for side in sides)} in pixels."
+            )
+        with _refusing("--mode outpaint", {f"outpaint {side}": f"--outpaint-{side}" for side in sides}):
+            outpaint = Outpaint(*pads)
+    with _refusing(f"--mode {args.mode}", _TASK_FLAG_OF, bare=True):
+        fields = task_inputs(
+            args.mode,
+            args.width,
+            args.height,
+            args.num_frames,
+            image=_read_image("--image", args.image) if args.image else None,
+            last_image=_read_image("--last-image", args.last_image) if args.last_image else None,
+            video=_read_video("--video", args.video) if args.video else None,
+            mask=_read_mask(args.mask) if args.mask else None,
+            references=torch.cat([_read_image("--reference", path) for path in args.reference])
+            if args.reference
+            else None,
+            outpaint=outpaint,
+        )
     high = args.guidance_scale if args.guidance_scale_2 is None else args.guidance_scale_2
-    settings = SamplerSettings(
-        seed=args.seed,
-        steps=args.num_inference_steps,
-        cfg=high,
-        cfg_low_noise=args.guidance_scale,
-        boundary_ratio=args.boundary_ratio,
-        shift=args.flow_shift,
-        scheduler=args.scheduler,
-    )
+    with _refusing("--prompt"):
+        inputs = VACEInputs(
+            args.prompt,
+            args.negative_prompt,
+            args.width,
+            args.height,
+            args.num_frames,
+            strength=args.strength,
+            **fields,
+        )
+        validate_vace_inputs(inputs)
+    # The high-noise stage's scale comes from --guidance-scale-2, or from --guidance-scale without it.
+    with _refusing("--num-inference-steps", {**_FLAG_OF, "cfg": high_flag(args)}):
+        settings = SamplerSettings(
+            seed=args.seed,
+            steps=args.num_inference_steps,
+            cfg=high,
+            cfg_low_noise=args.guidance_scale,
+            boundary_ratio=args.boundary_ratio,
+            shift=args.flow_shift,
+            scheduler=args.scheduler,
+        )
     return inputs, settings
+
+
+def high_flag(args: argparse.Namespace) -> str:
+    return "--guidance-scale" if args.guidance_scale_2 is None else "--guidance-scale-2"
+
+
+def _check_lora_file(path: Path) -> None:
+    if not path.is_file():
+        raise GenerateError(f"--lora {path}: there is no such file; give a LoRA .safetensors file.")
+    try:
+        read_safetensors_header(path)
+    except WanVACEError as error:
+        raise GenerateError(f"--lora {path}: {error}") from error
+
+
+def _device(name: str | None) -> str:
+    if name is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError) as error:
+        raise GenerateError(f"--device {name!r} is not a device name ({error}); use cpu, cuda or cuda:N.") from error
+    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
+        raise GenerateError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s); use cpu.")
+    return name
+
+
+def prepare_job(args: argparse.Namespace) -> Job:
+    """Every check the flags allow before the model loads (the model folder's config files included), so that a bad
+    flag is refused in a second, naming the flag, and never after minutes of loading."""
+    if not math.isfinite(args.fps) or args.fps <= 0:
+        raise GenerateError(f"--fps {args.fps} must be a positive number of frames per second, e.g. 16.")
+    inputs, settings = job_from_args(args)
+    cache = windows = parallel = None
+    if args.cache is not None:
+        with _refusing("--cache", {**_FLAG_OF, "mode": "--cache"}):
+            cache = CacheOptions(mode=args.cache, residual_diff_threshold=args.cache_threshold)
+    if args.context_length is not None:
+        with _refusing("--context-length"):
+            windows = ContextWindowOptions(context_length=args.context_length, context_overlap=args.context_overlap)
+            if cache is not None:
+                check_schedule_with_cache(windows.schedule)
+    with _refusing("--lora"):
+        loras = _loras(args.lora)
+    for patch in loras:
+        _check_lora_file(patch.path)
+    device = _device(args.device)
+    if args.parallel_devices:
+        with _refusing("--parallel-devices"):
+            parallel = ParallelOptions(
+                devices=tuple(args.parallel_devices.split(",")),
+                cfg_parallel=args.cfg_parallel,
+                ulysses_degree=args.ulysses_degree,
+            )
+            parallel.check_devices(torch.cuda.device_count() if parallel.device_type == "cuda" else 0)
+        if loras:
+            raise GenerateError("--lora does not run yet with --parallel-devices; leave one of them out.")
+    with _refusing("--offload", {"mode": "--offload"}):
+        OffloadOptions(mode=args.offload)
+    with _refusing("--model", {}):
+        inspect_pipeline_folder(args.model)
+        limits = size_limits_of_folder(args.model)
+        scheduler_config = _scheduler_config(Path(args.model))
+    references = 0 if inputs.reference_images is None else int(inputs.reference_images.shape[0])
+    with _refusing("--num-frames"):
+        check_size(limits, args.width, args.height, args.num_frames, references, windows, _FLAG_NAMES)
+    with _refusing("--flow-shift", {**_FLAG_OF, "cfg": high_flag(args)}):
+        timesteps_for(scheduler_config, settings)
+    tiling = VAETiling(mode="on") if args.vae_use_tiling else VAETiling(mode="off")
+    return Job(inputs, settings, cache, windows, loras, parallel, device, tiling)
+
+
+_FLAG_NAMES = SizeNames("--width", "--height", "--num-frames", "--context-length", "add --context-length {} or less")
+
+
+def _scheduler_config(folder: Path) -> dict:
+    path = folder / "scheduler" / "scheduler_config.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise GenerateError(f"--model {folder}: {path} cannot be read ({error}); re-download the folder.") from error
 
 
 def run(args: argparse.Namespace) -> Path:
     """Runs the job the flags describe and returns the MP4's path."""
-    inputs, settings = job_from_args(args)
-    cache = None
-    if args.cache is not None:
-        cache = CacheOptions(mode=args.cache, residual_diff_threshold=args.cache_threshold)
-    windows = None
-    if args.context_length is not None:
-        windows = ContextWindowOptions(context_length=args.context_length, context_overlap=args.context_overlap)
-    loras = _loras(args.lora)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    tiling = VAETiling(mode="on") if args.vae_use_tiling else VAETiling(mode="off")
-    parallel = None
-    if args.parallel_devices:
-        parallel = ParallelOptions(
-            devices=tuple(args.parallel_devices.split(",")),
-            cfg_parallel=args.cfg_parallel,
-            ulysses_degree=args.ulysses_degree,
-        )
+    job = prepare_job(args)
     started = time.perf_counter()
-    model = load_pipeline(args.model, args.dtype, device, offload=OffloadOptions(mode=args.offload), parallel=parallel)
-    if loras:
-        model = model.with_loras(*loras)
+    model = load_pipeline(
+        args.model, args.dtype, job.device, offload=OffloadOptions(mode=args.offload), parallel=job.parallel
+    )
+    if job.loras:
+        model = model.with_loras(*job.loras)
     logger.info("loaded %s in %.1f s", args.model, time.perf_counter() - started)
-    cond = prepare_conditioning(model, inputs, tiling=tiling)
-    progress = _progress(settings.steps)
+    cond = prepare_conditioning(model, job.inputs, tiling=job.tiling)
+    progress = _progress(job.settings.steps)
     try:
-        result = sample(model, cond, settings, callback=lambda *_: progress.update(1), cache=cache, windows=windows)
+        result = sample(
+            model, cond, job.settings, callback=lambda *_: progress.update(1), cache=job.cache, windows=job.windows
+        )
     finally:
         progress.close()
     if result.cache_report is not None:
@@ -247,7 +431,7 @@ def run(args: argparse.Namespace) -> Path:
         save_file(
             {"latent_tensor": latents.contiguous(), "latent_format_version_0": torch.tensor([])}, args.save_latent
         )
-    frames = decode(model, latents, tiling)
+    frames = decode(model, latents, job.tiling)
     write_mp4(args.output, frames, args.fps)
     return Path(args.output)
 

@@ -20,6 +20,7 @@ import torch
 from ..errors import WanVACEInputError
 from ..runtime.model import WanVACEModel
 from ..validation import validate_finite, validate_integer
+from .limits import check_frame_size, check_frames, size_limits_of
 from .tiling import VAETiling, vae_tiling
 
 _PAD_GREY = 0.5
@@ -100,6 +101,24 @@ def validate_vace_window(start: float, end: float) -> None:
         )
 
 
+def validate_frame_side(name: str, value: int, multiple: int = 16, example: int = 832) -> None:
+    """A width or height: a positive multiple of `multiple` (VAE stride x patch size)."""
+    validate_integer(name, value, f"use a positive multiple of {multiple} such as {example}")
+    if value <= 0 or value % multiple:
+        nearest = max(multiple, round(value / multiple) * multiple)
+        raise WanVACEInputError(f"{name}={value} is not a positive multiple of {multiple}; use {nearest}.")
+
+
+def validate_length(name: str, value: int, temporal_stride: int = 4) -> None:
+    """A frame count of the form `temporal_stride`n+1."""
+    validate_integer(name, value, f"use a frame count of the form {temporal_stride}n+1 such as 81")
+    if value < 1 or (value - 1) % temporal_stride:
+        nearest = max(1, round((value - 1) / temporal_stride) * temporal_stride + 1)
+        raise WanVACEInputError(
+            f"{name}={value} frames is not of the form {temporal_stride}n+1 (e.g. 33, 49, 81); use {nearest}."
+        )
+
+
 def validate_generation_size(
     width: int,
     height: int,
@@ -111,18 +130,9 @@ def validate_generation_size(
     """Checks the output size; raises `WanVACEInputError` with the nearest valid values, naming the inputs by
     `names` (the command line spells them `--width`, `--height`, `--num-frames`)."""
     width_name, height_name, length_name = names
-    validate_integer(width_name, width, f"use a positive multiple of {spatial_multiple} such as 832")
-    validate_integer(height_name, height, f"use a positive multiple of {spatial_multiple} such as 480")
-    validate_integer(length_name, length, f"use a frame count of the form {temporal_stride}n+1 such as 81")
-    for name, value in ((width_name, width), (height_name, height)):
-        if value <= 0 or value % spatial_multiple:
-            nearest = max(spatial_multiple, round(value / spatial_multiple) * spatial_multiple)
-            raise WanVACEInputError(f"{name}={value} is not a positive multiple of {spatial_multiple}; use {nearest}.")
-    if length < 1 or (length - 1) % temporal_stride:
-        nearest = max(1, round((length - 1) / temporal_stride) * temporal_stride + 1)
-        raise WanVACEInputError(
-            f"{length_name}={length} frames is not of the form {temporal_stride}n+1 (e.g. 33, 49, 81); use {nearest}."
-        )
+    validate_frame_side(width_name, width, spatial_multiple)
+    validate_frame_side(height_name, height, spatial_multiple, example=480)
+    validate_length(length_name, length, temporal_stride)
 
 
 def validate_prompt(positive: str, has_embeddings: bool = False) -> None:
@@ -331,6 +341,12 @@ def prepare_conditioning(
     """
     text_dim = model.reference_expert.config.text_dim
     validate_vace_inputs(inputs, model.spatial_multiple, model.temporal_stride, text_dim, model.max_sequence_length)
+    # Before the text encoder and the VAE run. The length is checked against the windows too when they are known
+    # (`sample`); what the reference images alone leave is known here.
+    limits = size_limits_of(model)
+    check_frame_size(limits, inputs.width, inputs.height)
+    reference_count = 0 if inputs.reference_images is None else inputs.reference_images.shape[0]
+    check_frames(limits, 1, reference_count)
     pipeline = model.helper
     prompt_embeds = _prompt_embeds(model, inputs.positive, inputs.positive_embeds, POSITIVE_EMBEDS_INPUT)
     negative_prompt_embeds = _prompt_embeds(model, inputs.negative, inputs.negative_embeds, NEGATIVE_EMBEDS_INPUT)

@@ -19,13 +19,15 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from ..errors import WanVACEInputError
 from ..runtime.caching import CachedExperts, CacheOptions, CacheReport, ExpertRun
-from ..runtime.model import WanVACEModel
+from ..runtime.model import WanVACEModel, default_shift
 from ..runtime.plan import planned_run
 from ..validation import validate_finite, validate_integer
 from .conditioning import VACEConditioning
 from .guidance import BatchedGuidance, Guidance
+from .limits import check_frames, size_limits_of
 from .windows import (
     ContextWindowOptions,
+    check_schedule_with_cache,
     check_windows,
     frames_per_call,
     freenoise,
@@ -84,33 +86,40 @@ def validate_scheduler(name: str) -> None:
         raise WanVACEInputError(f"scheduler={name!r} is unknown; choose one of {', '.join(SCHEDULERS)}.")
 
 
-def make_scheduler(model: WanVACEModel, name: str, shift: float | None):
-    """A fresh flow-matching scheduler (schedulers are stateful: one per run)."""
-    shift = model.default_shift if shift is None else shift
+def scheduler_from_config(scheduler_config: dict, name: str, shift: float | None):
+    """A fresh flow-matching scheduler (schedulers are stateful: one per run) for a pipeline's scheduler config
+    (`shift` None: the config's)."""
+    shift = default_shift(scheduler_config) if shift is None else shift
+    num_train_timesteps = int(scheduler_config.get("num_train_timesteps", 1000))
     if name == "unipc":
-        config = dict(model.scheduler_config)
+        config = dict(scheduler_config)
         if config.get("_class_name") != "UniPCMultistepScheduler":
-            config = {"num_train_timesteps": model.num_train_timesteps}
+            config = {"num_train_timesteps": num_train_timesteps}
         config.update(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=shift)
         return UniPCMultistepScheduler.from_config(config)
-    return FlowMatchEulerDiscreteScheduler(num_train_timesteps=model.num_train_timesteps, shift=shift)
+    return FlowMatchEulerDiscreteScheduler(num_train_timesteps=num_train_timesteps, shift=shift)
 
 
 def scheduled_timesteps(model: WanVACEModel, settings: SamplerSettings):
-    """A fresh scheduler set to `settings.steps`, and its timesteps; refuses a schedule that repeats timesteps.
+    """A fresh scheduler set to `settings.steps`, and its timesteps; refuses a schedule that repeats timesteps."""
+    return timesteps_for(model.scheduler_config, settings, model.device)
+
+
+def timesteps_for(scheduler_config: dict, settings: SamplerSettings, device: torch.device | str = "cpu"):
+    """`scheduled_timesteps` from a scheduler config alone (the offline command checks before it loads a model).
 
     diffusers finds a scheduler's position from the timestep value, so a repeated timestep (a large
     shift pushes the first ones onto 999, a tiny one the last ones onto 0) makes UniPC fail a bare
     `assert` on its last step, Euler raise an IndexError, or silently step with the wrong sigmas.
     """
-    scheduler = make_scheduler(model, settings.scheduler, settings.shift)
-    scheduler.set_timesteps(settings.steps, device=model.device)
+    scheduler = scheduler_from_config(scheduler_config, settings.scheduler, settings.shift)
+    scheduler.set_timesteps(settings.steps, device=device)
     timesteps = scheduler.timesteps
     if len(timesteps) != settings.steps or bool((timesteps[1:] >= timesteps[:-1]).any()):
         shift = (
             f"shift={settings.shift}"
             if settings.shift is not None
-            else f"shift=None (the model's {model.default_shift})"
+            else f"shift=None (the model's {default_shift(scheduler_config)})"
         )
         distinct = len(torch.unique(timesteps))
         raise WanVACEInputError(
@@ -231,12 +240,10 @@ def sample(
     (`windows.py`); a video no longer than one window runs as without them, bit for bit. `between_windows` runs
     before each window (raising stops the run).
     """
-    if windows is not None and cache is not None and windows.schedule != "standard_static":
-        raise WanVACEInputError(
-            f"the cache needs context windows with schedule standard_static, not {windows.schedule!r}: the uniform "
-            "schedules move the windows every step, so no window has a step before it whose residuals it could reuse. "
-            "Set schedule to standard_static, or disconnect the cache input of the sampler."
-        )
+    if windows is not None and cache is not None:
+        check_schedule_with_cache(windows.schedule)
+    # Before the first step: a size the model's RoPE table cannot hold fails deep inside it.
+    check_frames(size_limits_of(model), cond.length, cond.num_reference_images, windows)
     if model.remote is not None:
         if model.loras:
             raise WanVACEInputError(

@@ -85,6 +85,16 @@ class ContextWindowOptions:
         return self.context_overlap // VAE_FRAMES_PER_LATENT
 
 
+def check_schedule_with_cache(schedule: str) -> None:
+    """Step caching needs windows that stay put: each window reuses residuals of its own earlier steps."""
+    if schedule != "standard_static":
+        raise WanVACEInputError(
+            f"schedule={schedule!r}: the cache needs context windows with schedule standard_static, not {schedule!r}: "
+            "the uniform schedules move the windows every step, so no window has a step before it whose residuals it "
+            "could reuse. Set schedule to standard_static, or disconnect the cache input of the sampler."
+        )
+
+
 def frames_per_call(windows: ContextWindowOptions | None, latent_frames: int, references: int) -> int:
     """Latent frames one expert call sees: the whole video, or with `windows` one window and the reference frames
     in front of it (what the activation estimate and the Ulysses split are sized by)."""

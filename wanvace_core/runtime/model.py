@@ -19,6 +19,14 @@ logger = logging.getLogger(__name__)
 _PROMPT_CACHE_SIZE = 16
 
 
+def default_shift(scheduler_config: dict) -> float:
+    """The flow shift a pipeline's scheduler config sets (1.0 where it sets none)."""
+    for key in ("flow_shift", "shift"):
+        if scheduler_config.get(key) is not None:
+            return float(scheduler_config[key])
+    return 1.0
+
+
 def _log_release(source: str) -> None:
     logger.info("Released WanVACE pipeline %s", source)
 
@@ -139,10 +147,7 @@ class WanVACEModel(LoadedPipeline):
 
     @property
     def default_shift(self) -> float:
-        for key in ("flow_shift", "shift"):
-            if self.scheduler_config.get(key) is not None:
-                return float(self.scheduler_config[key])
-        return 1.0
+        return default_shift(self.scheduler_config)
 
     @property
     def spatial_multiple(self) -> int:
