@@ -11,6 +11,7 @@ from .loader import WanVACEModelLoader
 from .lora import WanVACELoraLoader
 from .offload import WanVACEOffloadOptions
 from .parallel import WanVACEParallelOptions
+from .queued_prompt import install as install_queue_checks
 from .sampler import WanVACESampler
 from .videos_api import install_videos_api
 from .windows import WanVACEContextWindows
@@ -25,6 +26,7 @@ class WanVACEExtension(ComfyExtension):
         # ComfyUI 0.3.75 never calls on_load; the copy runs once either way. The videos API's routes must be on
         # the server before it starts listening, which is after the nodes load.
         install_example_inputs()
+        install_queue_checks()
         install_videos_api()
         return [
             WanVACEModelLoader,

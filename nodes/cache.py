@@ -65,6 +65,7 @@ class WanVACECacheOptions(io.ComfyNode):
                 ),
                 io.Int.Input(
                     "max_cached_steps",
+                    display_name="max_cached_steps (-1 = no limit)",
                     default=-1,
                     min=-1,
                     max=200,
@@ -79,6 +80,7 @@ class WanVACECacheOptions(io.ComfyNode):
                 ),
                 io.Int.Input(
                     "low_noise_max_cached_steps",
+                    display_name="low_noise_max_cached_steps (-1 = no limit)",
                     default=-1,
                     min=-1,
                     max=200,

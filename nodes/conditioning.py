@@ -7,22 +7,21 @@ import logging
 
 from comfy_api.v0_0_2 import io
 
-from ..wanvace_core import (
-    VACEInputs,
-    WanVACEInputError,
-    prepare_conditioning,
-    validate_generation_size,
-    validate_prompt,
-)
+from ..wanvace_core import VACEInputs, WanVACEInputError, prepare_conditioning, validate_prompt
 from ..wanvace_core.generation.conditioning import (
     NEGATIVE_EMBEDS_INPUT,
     POSITIVE_EMBEDS_INPUT,
     TextEmbeddings,
+    validate_frame_side,
+    validate_length,
     validate_vace_window,
 )
+from ..wanvace_core.generation.limits import size_limits_of
 from ..wanvace_core.generation.tiling import VAETiling, requested_peak_bytes
 from ..wanvace_core.validation import nan_refusing_min, validate_range
+from .graph_checks import check_conditioning_size, check_frames_at_run
 from .memory import set_working_memory
+from .queued_prompt import this_node
 from .tiling import free_device_bytes, tiling_from_inputs, tiling_inputs, validate_tiling_inputs
 from .types import CATEGORY, WanVACEConditioningType, WanVACEModelType
 
@@ -181,6 +180,8 @@ class WanVACEConditioning(io.ComfyNode):
                 *tiling_inputs(),  # for the VAE encode of control_video (and masks)
             ],
             outputs=[WanVACEConditioningType.Output(display_name="conditioning", tooltip="Encoded VACE conditioning.")],
+            # The graph, to check the length against the windows of the samplers this feeds before encoding.
+            hidden=[io.Hidden.prompt],
         )
 
     @classmethod
@@ -197,20 +198,19 @@ class WanVACEConditioning(io.ComfyNode):
         tile_size: int | None = None,
         tile_overlap: int | None = None,
     ) -> bool | str:
-        # ComfyUI lists a refusal under every argument of validate_inputs it passed, so each message names the
-        # input it is about (an unconnected positive_conditioning is not passed, so an empty text is refused under
-        # positive alone). Floats stay out of it: ComfyUI's own range check refuses NaN (nan_refusing_min) and
-        # +-inf under that input alone.
+        # Only inputs with a rule ComfyUI cannot check: width/height multiples of 16 and length 4n+1 (with their
+        # ranges, which ComfyUI skips for arguments), the empty prompt (an unconnected positive_conditioning is not
+        # passed), the VACE window as a pair, and the tiling inputs. Floats such as strength stay out: ComfyUI's
+        # own range check refuses NaN (nan_refusing_min) and +-inf under that input alone. ComfyUI lists a refusal
+        # under every argument; each names its input first, and queued_prompt keeps the copy under that input.
         try:
-            if None not in (width, height, length):
-                validate_generation_size(width, height, length)
-                # Arguments of validate_inputs skip ComfyUI's own range check.
-                for name, value, bounds in (
-                    ("width", width, SIZE_RANGE),
-                    ("height", height, SIZE_RANGE),
-                    ("length", length, LENGTH_RANGE),
-                ):
+            for name, value, bounds in (("width", width, SIZE_RANGE), ("height", height, SIZE_RANGE)):
+                if value is not None:
                     validate_range(name, value, *bounds)
+                    validate_frame_side(name, value)
+            if length is not None:
+                validate_range("length", length, *LENGTH_RANGE)
+                validate_length("length", length)
             if positive is not None:
                 validate_prompt(positive, has_embeddings=positive_conditioning is not _NOT_CONNECTED)
             if vace_start_percent is not None or vace_end_percent is not None:
@@ -219,9 +219,16 @@ class WanVACEConditioning(io.ComfyNode):
                     0.0 if vace_start_percent is None else vace_start_percent,
                     1.0 if vace_end_percent is None else vace_end_percent,
                 )
+            tiling = validate_tiling_inputs(tiled, tile_size, tile_overlap)
+            if tiling is not True:
+                return tiling
+            # The size against the model the graph loads (its RoPE table), once the rules above hold.
+            graph = this_node()
+            if graph is not None:
+                check_conditioning_size(*graph)
         except WanVACEInputError as error:
             return str(error)
-        return validate_tiling_inputs(tiled, tile_size, tile_overlap)
+        return True
 
     @classmethod
     def execute(
@@ -245,6 +252,10 @@ class WanVACEConditioning(io.ComfyNode):
         tile_overlap: int = VAETiling.overlap,
     ) -> io.NodeOutput:
         tiling = tiling_from_inputs(tiled, tile_size, tile_overlap)
+        graph = this_node(getattr(cls.hidden, "prompt", None))  # None outside ComfyUI's executor
+        if graph is not None:  # the frames per call with the windows the samplers use, before anything is encoded
+            references = 0 if reference_images is None else int(reference_images.shape[0])
+            check_frames_at_run(graph[0], graph[1], size_limits_of(model), length, references)
         inputs = VACEInputs(
             positive=positive,
             negative=negative,

@@ -16,26 +16,21 @@ from ..wanvace_core import (
     OffloadOptions,
     RuntimePlan,
     WanVACEError,
+    WanVACEInputError,
     WanVACEModel,
     inspect_expert_files,
     load_expert_files,
     replan,
 )
+from ..wanvace_core.generation.limits import SizeLimits, size_limits_of_layouts
 from ..wanvace_core.load.single_file import DEFAULT_BOUNDARY_RATIO, file_stamps, resident_bytes
 from ..wanvace_core.parallel import ParallelOptions
 from ..wanvace_core.runtime.loaders import refuse_fp8_matmul_without_fp8
 from ..wanvace_core.validation import nan_refusing_min
 from .held import forget_last, forget_on_unload, hold, reusable
 from .memory import cooperate, make_room_before_loading
-from .model_files import list_weight_files, resolve_listed_file
-from .runtime_inputs import (
-    attention_input,
-    attention_refusal,
-    compile_input,
-    compile_refusal,
-    fp8_matmul_input,
-    fp8_matmul_refusal,
-)
+from .model_files import list_weight_files, refuse_unlisted, resolve_listed_file, where_to_get
+from .runtime_inputs import attention_input, compile_input, fp8_matmul_input, runtime_refusal
 from .types import CATEGORY, WanVACEModelType, WanVACEOffloadType, WanVACEParallelType
 
 logger = logging.getLogger(__name__)
@@ -78,6 +73,46 @@ def _expert_files(
         else:
             paths[input_name] = resolve_listed_file(input_name, name, listings[folder], folder)
     return ExpertFiles(**paths)
+
+
+def _refuse_missing_files(chosen: dict) -> None:
+    """Refuses every chosen name that its folder does not list, in one message that starts with the first input and
+    says where each file comes from."""
+    listings = {folder: list_weight_files(folder) for folder in set(_FOLDER_OF_INPUT.values())}
+    missing = [
+        (input_name, name)
+        for input_name, name in chosen.items()
+        if name is not None
+        and not (input_name.endswith("_vace_module") and name in (NONE, ""))
+        and not (isinstance(name, str) and name in listings[_FOLDER_OF_INPUT[input_name]])
+    ]
+    if not missing:
+        return
+    if len(missing) == 1:
+        input_name, name = missing[0]
+        refuse_unlisted(input_name, name, listings[_FOLDER_OF_INPUT[input_name]], _FOLDER_OF_INPUT[input_name])
+    named = ", ".join(f"{input_name}={name!r}" for input_name, name in missing)
+    folders = sorted({_FOLDER_OF_INPUT[input_name] for input_name, _ in missing})
+    steps = "; ".join(
+        dict.fromkeys(where_to_get(input_name, _FOLDER_OF_INPUT[input_name]) for input_name, _ in missing)
+    )
+    raise WanVACEInputError(
+        f"{named} are not in ComfyUI's model folders ({', '.join(f'models/{folder}' for folder in folders)}): "
+        f"{steps}; then refresh ComfyUI (press R) and pick them."
+    )
+
+
+def size_limits_of_expert_inputs(inputs: dict) -> SizeLimits | None:
+    """The video size limits of the model an experts loader with these (queued) inputs loads; None if not known."""
+    names = ("high_noise_model", "low_noise_model", "text_encoder", "vae")
+    if not all(isinstance(inputs.get(name), str) for name in names):
+        return None
+    modules = {
+        name: inputs.get(name, NONE) if isinstance(inputs.get(name, NONE), str) else NONE
+        for name in ("high_noise_vace_module", "low_noise_vace_module")
+    }
+    files = _expert_files(**{name: inputs[name] for name in names}, **modules)
+    return size_limits_of_layouts(inspect_expert_files(files))
 
 
 class WanVACEExpertsLoader(io.ComfyNode):
@@ -182,36 +217,44 @@ class WanVACEExpertsLoader(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(
+    async def validate_inputs(
         cls,
         high_noise_model: str | None = None,
         low_noise_model: str | None = None,
         text_encoder: str | None = None,
         vae: str | None = None,
+        dtype: str | None = None,
+        weight_dtype: str | None = None,
         high_noise_vace_module: str = NONE,
         low_noise_vace_module: str = NONE,
         attention: str = DEFAULT_ATTENTION,
         fp8_matmul: bool = False,
         compile: bool = False,
     ) -> bool | str:
-        # The files are checked together (headers only): whether they fit is a property of the set. ComfyUI lists
-        # a refusal under every argument here (and skips its own list check for them), so only the file inputs
-        # are arguments, each message names the input and file first, and names are checked against the lists.
-        # attention is checked on this device: a kernel that cannot run here is refused at queue time.
-        refusal = attention_refusal(attention) or fp8_matmul_refusal(fp8_matmul) or compile_refusal(compile)
-        if refusal is not None:
-            return refusal
-        if None in (high_noise_model, low_noise_model, text_encoder, vae):
-            return True
+        # The files are checked together (headers only): whether they fit is a property of the set. Arguments of
+        # validate_inputs skip ComfyUI's own list checks, so names are checked against the lists here, and the
+        # dtypes too (ComfyUI 0.3.75 checks no V3 combo). Every file not there is named at once, with where to get
+        # it; each refusal names its input first (ComfyUI lists it under every argument, and queued_prompt keeps
+        # the copy under that input). attention, fp8_matmul and compile are probed on this device off the event
+        # loop (async): what cannot run here is refused at queue time.
         try:
-            inspect_expert_files(
-                _expert_files(
-                    high_noise_model, low_noise_model, text_encoder, vae, high_noise_vace_module, low_noise_vace_module
-                )
-            )
+            for name, value, options in (("dtype", dtype, DTYPES), ("weight_dtype", weight_dtype, WEIGHT_DTYPES)):
+                if value is not None and value not in options:
+                    raise WanVACEInputError(f"{name}={value!r} is not supported; choose one of {', '.join(options)}.")
+            chosen = {
+                "high_noise_model": high_noise_model,
+                "low_noise_model": low_noise_model,
+                "text_encoder": text_encoder,
+                "vae": vae,
+                "high_noise_vace_module": high_noise_vace_module,
+                "low_noise_vace_module": low_noise_vace_module,
+            }
+            _refuse_missing_files(chosen)
+            if None not in (high_noise_model, low_noise_model, text_encoder, vae):
+                inspect_expert_files(_expert_files(**chosen))
         except WanVACEError as error:
             return str(error)
-        return True
+        return await runtime_refusal(attention, compile, fp8_matmul) or True
 
     @classmethod
     def execute(

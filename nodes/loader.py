@@ -14,11 +14,13 @@ from ..wanvace_core import (
     OffloadOptions,
     RuntimePlan,
     WanVACEError,
+    WanVACEInputError,
     find_pipeline_folders,
     inspect_pipeline_folder,
     load_pipeline,
     replan,
 )
+from ..wanvace_core.generation.limits import SizeLimits, size_limits_of_folder, size_limits_of_layouts
 from ..wanvace_core.load.pipeline_folder import file_stamps
 from ..wanvace_core.load.single_file import (
     DEFAULT_BOUNDARY_RATIO,
@@ -33,7 +35,7 @@ from .experts_loader import load_held_experts
 from .held import forget_last, forget_on_unload, hold, reusable
 from .memory import cooperate, make_room_before_loading
 from .model_files import folder_roots, resolve_listed_folder
-from .runtime_inputs import attention_input, attention_refusal, compile_input, compile_refusal
+from .runtime_inputs import attention_input, compile_input, runtime_refusal
 from .types import CATEGORY, WanVACEModelType, WanVACEOffloadType, WanVACEParallelType
 
 MODEL_FOLDER = "diffusers"
@@ -44,6 +46,18 @@ def list_model_folders() -> list[str]:
     """Pipeline folders (diffusers, or the original release) under the diffusers model folders, links followed."""
     roots = folder_roots(MODEL_FOLDER)
     return sorted(set(find_pipeline_folders(roots)) | set(find_original_folders(roots)))
+
+
+def size_limits_of_folder_inputs(inputs: dict) -> SizeLimits | None:
+    """The video size limits of the model a folder loader with these (queued) inputs loads; None if not known yet."""
+    model_name = inputs.get("model_name")
+    if not isinstance(model_name, str):
+        return None
+    folder = resolve_model_folder(model_name)
+    if is_original_folder(folder):
+        files = original_folder_files(folder, inputs.get("allow_pth_weights") is True)
+        return size_limits_of_layouts(inspect_expert_files(files))
+    return size_limits_of_folder(folder)
 
 
 def resolve_model_folder(model_name: str) -> Path:
@@ -110,32 +124,37 @@ class WanVACEModelLoader(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(
+    async def validate_inputs(
         cls,
         model_name: str | None = None,
+        dtype: str | None = None,
         allow_pth_weights: bool = False,
         attention: str = DEFAULT_ATTENTION,
         compile: bool = False,
     ) -> bool | str:
-        # ComfyUI lists a refusal under every argument of validate_inputs and skips its own list check for them, so
-        # model_name is checked against the listed folders here; the pickle opt-in is an argument because whether
-        # a folder loads depends on it. dtype's combo stays out (ComfyUI checks it; execute refuses it otherwise).
-        # attention is checked on this device: a kernel that cannot run here is refused at queue time.
-        refusal = attention_refusal(attention) or compile_refusal(compile)
-        if refusal is not None:
-            return refusal
-        if model_name is None:
-            return True
+        # Arguments of validate_inputs skip ComfyUI's own list checks, so model_name is checked against the listed
+        # folders here, and dtype (whose list ComfyUI 0.3.75 does not check on V3 nodes) too; the pickle opt-in is an
+        # argument because whether a folder loads depends on it. attention and compile are probed on this device off
+        # the event loop (async): a kernel that cannot run here is refused at queue time. Each refusal names its
+        # input first: ComfyUI lists it under every argument, and queued_prompt keeps the copy under that input.
         try:
-            folder = resolve_model_folder(model_name)
-            if is_original_folder(folder):
-                inspect_expert_files(original_folder_files(folder, allow_pth_weights))
-            else:
-                inspect_pipeline_folder(folder)
+            if dtype is not None and dtype not in DTYPES:
+                raise WanVACEInputError(f"dtype={dtype!r} is not supported; choose one of {', '.join(DTYPES)}.")
+            if model_name is not None:
+                folder = resolve_model_folder(model_name)
+                try:
+                    if is_original_folder(folder):
+                        inspect_expert_files(original_folder_files(folder, allow_pth_weights))
+                    else:
+                        inspect_pipeline_folder(folder)
+                except WanVACEError as error:
+                    message = str(error)
+                    raise WanVACEInputError(
+                        message if message.startswith("model_name") else f"model_name={model_name!r}: {message}"
+                    ) from error
         except WanVACEError as error:
-            message = str(error)
-            return message if message.startswith("model_name") else f"model_name={model_name!r}: {message}"
-        return True
+            return str(error)
+        return await runtime_refusal(attention, compile) or True
 
     @classmethod
     def execute(

@@ -10,7 +10,9 @@ from comfy_api.v0_0_2 import io
 from ..wanvace_core import WanVACEError, WanVACEInputError
 from ..wanvace_core.runtime.lora import LoraPatch, check_lora
 from ..wanvace_core.validation import nan_refusing_min
+from .graph_checks import check_lora_in_graph
 from .model_files import resolve_listed_file
+from .queued_prompt import this_node
 from .types import CATEGORY, WanVACEModelType
 
 LORA_FOLDER = "loras"
@@ -72,10 +74,14 @@ class WanVACELoraLoader(io.ComfyNode):
     @classmethod
     def validate_inputs(cls, lora_name: str | None = None) -> bool | str:
         # Only a listed name: ComfyUI 0.3.75 checks no V3 combo against its list. The file is read against the
-        # model when the node runs (the model is not known here).
+        # model when the node runs (the model is not known here); a LoRA over experts in parallel workers is
+        # refused from the graph.
         try:
             if lora_name is not None:
                 _lora_path(lora_name)
+                graph = this_node()
+                if graph is not None:
+                    check_lora_in_graph(graph[0], graph[2], lora_name)
         except WanVACEInputError as error:
             return str(error)
         return True

@@ -35,12 +35,42 @@ def list_weight_files(folder_type: str) -> list[str]:
     )
 
 
+_REPACKAGED_22 = "https://huggingface.co/Comfy-Org/Wan_2.2_ComfyUI_Repackaged"
+_REPACKAGED_21 = "https://huggingface.co/Comfy-Org/Wan_2.1_ComfyUI_repackaged"
+# Where the files of each folder type come from (README, "Weights"); a refusal of a name that is not there says it.
+_DOWNLOADS = {
+    "diffusers": "download the pipeline folder https://huggingface.co/Pyros13/Wan2.2-VACE-Fun-A14B-Diffusers (about "
+    "75 GB) into ComfyUI/models/diffusers/, keeping its folder (models/diffusers/Wan2.2-VACE-Fun-A14B-Diffusers/"
+    "model_index.json), or use WanVACE Experts Loader with single files",
+    "diffusion_models": f"download wan2.2_fun_vace_high_noise_14B_fp8_scaled.safetensors and "
+    f"wan2.2_fun_vace_low_noise_14B_fp8_scaled.safetensors (or the bf16 ones) from {_REPACKAGED_22} "
+    "(split_files/diffusion_models/) into ComfyUI/models/diffusion_models/",
+    "text_encoders": f"download umt5_xxl_fp8_e4m3fn_scaled.safetensors (or umt5_xxl_fp16) from {_REPACKAGED_21} "
+    "(split_files/text_encoders/) into ComfyUI/models/text_encoders/",
+    "vae": f"download wan_2.1_vae.safetensors from {_REPACKAGED_21} (split_files/vae/) into ComfyUI/models/vae/",
+    "loras": "put the LoRA file into ComfyUI/models/loras/ (the shipped Lightning workflow's two LoRAs are "
+    f"wan2.2_t2v_lightx2v_4steps_lora_v1.1_{{high,low}}_noise.safetensors from {_REPACKAGED_22}, split_files/loras/)",
+}
+_VACE_MODULES = (
+    "download Kijai's Wan2_2_Fun_VACE_module_A14B_{HIGH,LOW}_bf16.safetensors from "
+    "https://huggingface.co/Kijai/WanVideo_comfy (Fun/VACE/) into ComfyUI/models/diffusion_models/, or choose none "
+    "with a whole VACE expert"
+)
+
+
+def where_to_get(input_name: str, folder_type: str) -> str:
+    """Where the files of input `input_name` (listing `folder_type`) come from and which folder they go into."""
+    if input_name.endswith("_vace_module"):
+        return _VACE_MODULES
+    return _DOWNLOADS.get(folder_type, f"put the file into ComfyUI/models/{folder_type}/")
+
+
 def refuse_unlisted(input_name: str, name: object, listed: list[str], folder_type: str) -> str:
-    """`name` if it is one of `listed`; the refusal echoes only what the user sent."""
+    """`name` if it is one of `listed`; the refusal echoes only what the user sent, and says where to get the file."""
     if not isinstance(name, str) or name not in listed:
         raise WanVACEInputError(
-            f"{input_name}={name!r} is not one of the {len(listed)} names listed for models/{folder_type}; pick one "
-            f"from the list (put new files into ComfyUI's models/{folder_type} folder and refresh)."
+            f"{input_name}={name!r} is not in ComfyUI's models/{folder_type} folder ({len(listed)} listed there); "
+            f"{where_to_get(input_name, folder_type)}, then refresh ComfyUI (press R) and pick it."
         )
     return name
 

@@ -39,6 +39,7 @@ class WanVACEOffloadOptions(io.ComfyNode):
                 ),
                 io.Int.Input(
                     "max_pinned_mb",
+                    display_name="max_pinned_mb (0 = auto)",
                     default=0,
                     min=0,
                     max=1 << 20,

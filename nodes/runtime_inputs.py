@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
 import comfy.model_management
 from comfy_api.v0_0_2 import io
 
@@ -31,6 +34,24 @@ def attention_refusal(attention: str) -> str | None:
     except WanVACEInputError as error:
         return str(error)
     return None
+
+
+# The probes below (a tiny attention call, an fp8 matmul, a compiled kernel: up to a minute on a CPU for the compiler)
+# run once per process and device each; one at a time, so that two prompts queued together do not probe twice.
+_PROBING = threading.Lock()
+
+
+def _runtime_refusal(attention: str, compile: bool, fp8_matmul: bool) -> str | None:
+    with _PROBING:
+        return attention_refusal(attention) or fp8_matmul_refusal(fp8_matmul) or compile_refusal(compile)
+
+
+async def runtime_refusal(attention: str, compile: bool = False, fp8_matmul: bool = False) -> str | None:
+    """Why the loader's runtime options cannot run on ComfyUI's device, or None. For a loader's async
+    `validate_inputs`: the probes run in a worker thread, so ComfyUI's server keeps answering every other request
+    while a first probe runs (it answers this POST /prompt when the probe is done; later prompts get the cached
+    answer)."""
+    return await asyncio.to_thread(_runtime_refusal, attention, compile, fp8_matmul)
 
 
 def fp8_matmul_input() -> io.Boolean.Input:

@@ -12,6 +12,7 @@ from ..wanvace_core.generation.budget import (
     BATCHED_CFG_MODES,
     batched_cfg_decision,
     sampling_activation_bytes,
+    validate_batched_cfg,
 )
 from ..wanvace_core.generation.sampling import validate_scheduler
 from ..wanvace_core.generation.windows import frames_per_call
@@ -67,6 +68,7 @@ class WanVACESampler(io.ComfyNode):
                 ),
                 io.Float.Input(
                     "boundary_ratio",
+                    display_name="boundary_ratio (-1 = model's)",
                     default=MODEL_DEFAULT,
                     min=nan_refusing_min(-1.0),
                     max=1.0,
@@ -76,6 +78,7 @@ class WanVACESampler(io.ComfyNode):
                 ),
                 io.Float.Input(
                     "shift",
+                    display_name="shift (0 = model's)",
                     default=0.0,
                     min=nan_refusing_min(0.0),
                     max=100.0,
@@ -114,14 +117,15 @@ class WanVACESampler(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, scheduler: str | None = None) -> bool | str:
-        # ComfyUI lists a refusal under every argument of validate_inputs and skips its own checks for them,
-        # so this takes only the combo that ComfyUI 0.3.75 does not check itself (batched_cfg stays out: 0.33
-        # checks it, and on 0.3.75 execute refuses it before sampling). The floats get ComfyUI's range check,
-        # which refuses NaN too (nan_refusing_min) and +-inf, under that input alone.
+    def validate_inputs(cls, scheduler: str | None = None, batched_cfg: str | None = None) -> bool | str:
+        # Only the combos ComfyUI 0.3.75 does not check on V3 nodes (0.33 does, but skips its check for arguments
+        # of validate_inputs, so they are checked here for both). The floats get ComfyUI's range check, which
+        # refuses NaN too (nan_refusing_min) and +-inf, under that input alone. Each refusal names its input first.
         try:
             if scheduler is not None:
                 validate_scheduler(scheduler)
+            if batched_cfg is not None:
+                validate_batched_cfg(batched_cfg)
         except WanVACEInputError as error:
             return str(error)
         return True

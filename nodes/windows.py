@@ -5,9 +5,16 @@ from __future__ import annotations
 from comfy_api.v0_0_2 import io
 
 from ..wanvace_core import FUSE_METHODS, SCHEDULES, ContextWindowOptions, WanVACEInputError
+from ..wanvace_core.validation import validate_range
+from .graph_checks import check_windows_in_graph
+from .queued_prompt import this_node
 from .types import CATEGORY, WanVACEContextWindowsType
 
 _DEFAULTS = ContextWindowOptions()
+# The widgets' ranges, checked again in validate_inputs (whose arguments skip ComfyUI's range check).
+LENGTH_RANGE = (5, 1025)
+OVERLAP_RANGE = (0, 1020)
+STRIDE_RANGE = (1, 8)
 
 
 class WanVACEContextWindows(io.ComfyNode):
@@ -27,16 +34,16 @@ class WanVACEContextWindows(io.ComfyNode):
                 io.Int.Input(
                     "context_length",
                     default=_DEFAULTS.context_length,
-                    min=5,
-                    max=1025,
+                    min=LENGTH_RANGE[0],
+                    max=LENGTH_RANGE[1],
                     step=4,
                     tooltip="Frames per window, 4n+1 (81 is what Wan2.2 was trained on).",
                 ),
                 io.Int.Input(
                     "context_overlap",
                     default=_DEFAULTS.context_overlap,
-                    min=0,
-                    max=1020,
+                    min=OVERLAP_RANGE[0],
+                    max=OVERLAP_RANGE[1],
                     step=4,
                     tooltip="Frames neighbouring windows share, a multiple of 4; more blends seams better and costs "
                     "more windows (16-32 is typical).",
@@ -53,8 +60,8 @@ class WanVACEContextWindows(io.ComfyNode):
                 io.Int.Input(
                     "context_stride",
                     default=_DEFAULTS.context_stride,
-                    min=1,
-                    max=8,
+                    min=STRIDE_RANGE[0],
+                    max=STRIDE_RANGE[1],
                     tooltip="Uniform schedules: also windows over every 2nd, 4th, ... frame, up to this many levels. "
                     "1 (the usual) turns that off.",
                 ),
@@ -87,18 +94,31 @@ class WanVACEContextWindows(io.ComfyNode):
     @classmethod
     def validate_inputs(
         cls,
-        context_length: int,
-        context_overlap: int,
-        schedule: str,
-        context_stride: int,
-        closed_loop: bool,
-        fuse_method: str,
-        freenoise: bool,
+        context_length: int | None = None,
+        context_overlap: int | None = None,
+        schedule: str | None = None,
+        fuse_method: str | None = None,
     ) -> bool | str:
+        # Only the inputs with a rule ComfyUI cannot check (4n+1, multiples of 4, overlap below the length, with their
+        # ranges, which ComfyUI skips for arguments) and the combos ComfyUI 0.3.75 does not check; context_stride
+        # gets ComfyUI's own range check. Each refusal names its input first (queued_prompt keeps that copy). Then
+        # the settings against the samplers they feed: the cache's schedule, the model's frames per call.
         try:
-            ContextWindowOptions(
-                context_length, context_overlap, schedule, context_stride, closed_loop, fuse_method, freenoise
+            for name, value, bounds in (
+                ("context_length", context_length, LENGTH_RANGE),
+                ("context_overlap", context_overlap, OVERLAP_RANGE),
+            ):
+                if value is not None:
+                    validate_range(name, value, *bounds)
+            options = ContextWindowOptions(
+                context_length=_DEFAULTS.context_length if context_length is None else context_length,
+                context_overlap=_DEFAULTS.context_overlap if context_overlap is None else context_overlap,
+                schedule=_DEFAULTS.schedule if schedule is None else schedule,
+                fuse_method=_DEFAULTS.fuse_method if fuse_method is None else fuse_method,
             )
+            graph = this_node()
+            if graph is not None and None not in (context_length, context_overlap):
+                check_windows_in_graph(graph[0], graph[1], options)
         except WanVACEInputError as error:
             return str(error)
         return True

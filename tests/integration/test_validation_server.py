@@ -1,7 +1,9 @@
 """Refusals at POST /prompt name their input once: one node_errors entry, under that input, naming it and the value.
 
 NaN and Infinity go through the real HTTP path as the JSON literals Python's json.dumps writes (requests'
-`json=` refuses them), which ComfyUI's prompt parser accepts.
+`json=` refuses them), which ComfyUI's prompt parser accepts. Two tables: every range a widget of ours declares,
+read from the server's /object_info (min - 1, max + 1, NaN for floats), and bad inputs against the features
+(sizes the model cannot run, context windows, cache, LoRA, offload, parallel, tiling, loaders).
 """
 
 from __future__ import annotations
@@ -45,8 +47,8 @@ def _with_offload(**values) -> tuple[dict, str]:
     return workflow, "600"
 
 
-def _with_cache(**values) -> tuple[dict, str]:
-    workflow = _t2v()
+def _with_cache(workflow: dict | None = None, **values) -> tuple[dict, str]:
+    workflow = workflow or _t2v()
     cache = {
         "mode": "DBCache",
         "Fn_compute_blocks": 1,
@@ -88,9 +90,9 @@ def _refused_once(server, workflow: dict, node_id: str, name: str, *fragments: s
     assert error["extra_info"]["input_name"] == name, error
     text = f"{error['message']}: {error['details']}"
     # The entry names its input: ComfyUI's details are the name ("cfg"), or start with it ("steps, nan, ...",
-    # "dtype: 'fp8' not in ..."); ours follow ComfyUI's "name - " with a message that starts with "name=".
+    # "dtype: 'fp8' not in ..."); ours follow ComfyUI's "name - " with a message that starts with the name.
     details = error["details"]
-    assert details == name or details.startswith((f"{name}, ", f"{name}: ", f"{name} - {name}=")), error
+    assert details == name or details.startswith((f"{name}, ", f"{name}: ", f"{name} - {name}=", f"{name} - {name} "))
     for fragment in fragments:
         assert fragment in text, error
     return error
@@ -148,27 +150,60 @@ def test_nan_for_an_integer_input_is_refused_once_by_comfyui(comfy_server):
     assert error["type"] == "invalid_input_type"
 
 
-def test_missing_model_is_refused_once_under_model_name(comfy_server):
-    workflow, node_id = _with(_t2v(), "WanVACEModelLoader", model_name="does-not-exist")
-    _refused_once(comfy_server, workflow, node_id, "model_name", "model_name='does-not-exist' is not one of the")
+def test_missing_model_is_refused_once_under_model_name_saying_where_to_get_it(comfy_server):
+    # The shipped template as a user without the model runs it: its model name, nothing else changed.
+    workflow = json.loads((API_DIR / "wanvace_t2v.json").read_text())
+    node_id = _node_id(workflow, "WanVACEModelLoader")
+    name = workflow[node_id]["inputs"]["model_name"]
+    _refused_once(
+        comfy_server,
+        workflow,
+        node_id,
+        "model_name",
+        f"model_name={name!r} is not in ComfyUI's models/diffusers folder",
+        "https://huggingface.co/Pyros13/Wan2.2-VACE-Fun-A14B-Diffusers",
+        "into ComfyUI/models/diffusers/",
+    )
 
 
-def _comfyui_checks_v3_combos(server) -> bool:
-    """ComfyUI 0.3.75 does not check a V3 Combo's value against its options (0.33 does)."""
-    version = server.system_stats()["system"]["comfyui_version"]
-    return tuple(int(part) for part in version.split(".")[:2]) > (0, 3)
+def test_missing_single_files_are_refused_once_naming_each_with_where_to_get_it(comfy_server):
+    workflow = json.loads((API_DIR / "wanvace_i2v_fp8.json").read_text())
+    node_id = _node_id(workflow, "WanVACEExpertsLoader")
+    loader = workflow[node_id]["inputs"]
+    for key in ("high_noise_model", "low_noise_model", "text_encoder", "vae"):
+        loader[key] = f"not-installed-{loader[key]}"
+    error = _refused_once(
+        comfy_server,
+        workflow,
+        node_id,
+        "high_noise_model",
+        "https://huggingface.co/Comfy-Org/Wan_2.2_ComfyUI_Repackaged",
+        "into ComfyUI/models/diffusion_models/",
+        "https://huggingface.co/Comfy-Org/Wan_2.1_ComfyUI_repackaged",
+        "into ComfyUI/models/text_encoders/",
+        "into ComfyUI/models/vae/",
+    )
+    for key in ("high_noise_model", "low_noise_model", "text_encoder", "vae"):
+        assert f"{key}='not-installed-" in error["details"], key
 
 
-def test_unknown_dtype_is_refused_once_naming_dtype(comfy_server):
-    workflow, node_id = _with(_t2v(), "WanVACEModelLoader", dtype="fp8")
-    if _comfyui_checks_v3_combos(comfy_server):
-        _refused_once(comfy_server, workflow, node_id, "dtype", "'fp8' not in")
-        return
-    # 0.3.75 lets the value through; the loader refuses it when it runs, before reading any weight.
-    result = comfy_server.run_prompt(workflow, timeout=120)
-    assert result.status == "error", result.response
-    assert result.error["node_id"] == node_id
-    assert result.error["exception_message"].strip() == "dtype='fp8' is not supported; choose one of bf16, fp16, fp32."
+@pytest.mark.every_variant
+@pytest.mark.parametrize(
+    ("workflow_of", "class_type", "name", "value"),
+    [
+        (lambda: _t2v(), "WanVACEModelLoader", "dtype", "fp8"),
+        (lambda: _i2v_fp8(), "WanVACEExpertsLoader", "dtype", "int8"),
+        (lambda: _i2v_fp8(), "WanVACEExpertsLoader", "weight_dtype", "int4"),
+        (lambda: _t2v(), "WanVACESampler", "batched_cfg", "maybe"),
+    ],
+)
+def test_an_unknown_combo_value_is_refused_at_queue_time_in_both_versions(
+    workflow_of, class_type, name, value, comfy_server
+):
+    # ComfyUI 0.3.75 checks no V3 combo against its options, 0.33 does; ours are checked by the nodes in both, with
+    # their own message.
+    workflow, node_id = _with(workflow_of(), class_type, **{name: value})
+    _refused_once(comfy_server, workflow, node_id, name, f"{name}={value!r} is ", "choose one of")
 
 
 def test_unknown_scheduler_is_refused_once_with_our_message(comfy_server):
@@ -200,8 +235,12 @@ def test_shift_that_makes_the_scheduler_repeat_timesteps_fails_with_a_named_erro
     result = comfy_server.run_prompt(workflow, timeout=300)
     assert result.status == "error", result.response
     error = result.error
-    assert error["exception_type"].endswith("WanVACEInputError"), error
+    # ComfyUI builds exception_type from the class's module and name; ours is just the class name (not the pack's
+    # path on disk, which ComfyUI's custom-node loader makes the module's name), in the dialog and in /history.
+    assert error["exception_type"] == "WanVACEInputError", error
     assert error["exception_message"].startswith("shift=100.0 with steps=20 makes the unipc scheduler repeat")
+    messages = dict(result.history["status"]["messages"])
+    assert messages["execution_error"]["exception_type"] == "WanVACEInputError", messages
 
 
 # ==================================================================================================
@@ -264,7 +303,7 @@ def _refusal_shapes(server, workflow_of, node_id: str, name: str, values: dict[s
         assert list(body["node_errors"]) == [node_id], (label, body)
         for error in body["node_errors"][node_id]["errors"]:
             message = error["details"].split(" - ", 1)[-1]
-            assert message.startswith(f"{name}={value!r} is not one of the"), (label, error)
+            assert message.startswith(f"{name}={value!r} is not in ComfyUI's models/"), (label, error)
             shapes.add(message.replace(repr(value), "<value>"))
     return shapes
 
@@ -454,11 +493,323 @@ def _worker_processes() -> set[int]:
 def test_an_unusable_attention_kernel_is_refused_at_queue_time(class_type, attention, fragment, comfy_server):
     workflow = _t2v() if class_type == "WanVACEModelLoader" else _i2v_fp8()
     workflow, node_id = _with(workflow, class_type, attention=attention)
+    error = _refused_once(comfy_server, workflow, node_id, "attention", fragment)
+    assert error["details"].startswith(f"attention - attention={attention!r} cannot run on cpu: "), error
+
+
+# ==================================================================================================
+# Every range a widget of ours declares holds for API prompts too
+
+
+def _with_windows(workflow: dict | None = None, **values) -> tuple[dict, str]:
+    workflow = workflow or _t2v()
+    windows = {
+        "context_length": 17,
+        "context_overlap": 8,
+        "schedule": "standard_static",
+        "context_stride": 1,
+        "closed_loop": False,
+        "fuse_method": "pyramid",
+        "freenoise": True,
+        **values,
+    }
+    workflow["710"] = {"class_type": "WanVACEContextWindows", "inputs": windows}
+    workflow[_node_id(workflow, "WanVACESampler")]["inputs"]["context_windows"] = ["710", 0]
+    return workflow, "710"
+
+
+def _with_parallel(workflow: dict | None = None, **values) -> tuple[dict, str]:
+    workflow = workflow or _t2v()
+    parallel = {
+        "devices": "cpu,cpu",
+        "shard": "fsdp",
+        "replicate_size": 1,
+        "ulysses_degree": 1,
+        "cfg_parallel": False,
+        "launcher": "local",
+        "endpoint": "127.0.0.1:29511",
+        "timeout_s": 600.0,
+        **values,
+    }
+    workflow["800"] = {"class_type": "WanVACEParallelOptions", "inputs": parallel}
+    workflow[_node_id(workflow, "WanVACEModelLoader")]["inputs"]["parallel"] = ["800", 0]
+    return workflow, "800"
+
+
+# The option nodes no shipped workflow holds, attached to the text-to-video one.
+_ATTACHED = {
+    "WanVACECacheOptions": _with_cache,
+    "WanVACEContextWindows": _with_windows,
+    "WanVACEOffloadOptions": _with_offload,
+    "WanVACEParallelOptions": _with_parallel,
+}
+
+
+def _workflow_holding(class_type: str) -> tuple[dict, str] | None:
+    """A tiny-model workflow that holds a node of `class_type` (a shipped one, or t2v with the option node)."""
+    if class_type in _ATTACHED:
+        return _ATTACHED[class_type]()
+    for path in sorted(API_DIR.glob("*.json")):
+        workflow = for_tiny_model(json.loads(path.read_text()))
+        found = [key for key, node in workflow.items() if node["class_type"] == class_type]
+        if found:
+            return workflow, min(found)
+    return None
+
+
+def _declared_ranges(server) -> dict[str, list[tuple[str, str, float, float]]]:
+    """(input, INT/FLOAT, min, max) of every ranged widget of each of our nodes, from the server's /object_info."""
+    ranges = {}
+    for class_type, info in server.object_info().items():
+        if not class_type.startswith("WanVACE"):
+            continue
+        for section in ("required", "optional"):
+            for name, spec in info["input"].get(section, {}).items():
+                kind, options = spec[0], (spec[1] if len(spec) > 1 else {})
+                if kind in ("INT", "FLOAT") and "min" in options and "max" in options:
+                    ranges.setdefault(class_type, []).append((name, kind, options["min"], options["max"]))
+    return ranges
+
+
+def _bad_values(kind: str, low: float, high: float) -> list[float]:
+    if kind == "INT":
+        return [int(low) - 1, int(high) + 1]
+    return [low - 1.0, high + 1.0, NAN]
+
+
+@pytest.mark.every_variant
+def test_every_declared_range_is_refused_once_under_its_input(comfy_server):
+    """min - 1, max + 1 (and NaN for floats) of every ranged widget of every node of ours: refused at queue time, one
+    error, under that input. Inputs a node validates itself skip ComfyUI's own range check, so each such node checks
+    both bounds (context_length 1000001 once ran); the others keep ComfyUI's."""
+    ranges = _declared_ranges(comfy_server)
+    held = {class_type for class_type in ranges if _workflow_holding(class_type) is not None}
+    # Every node of the graph's main path and every option node; a new node counts once a shipped workflow holds it.
+    assert {
+        "WanVACEModelLoader",
+        "WanVACEExpertsLoader",
+        "WanVACELoraLoader",
+        "WanVACEConditioning",
+        "WanVACESampler",
+        "WanVACEDecode",
+        "WanVACECacheOptions",
+        "WanVACEContextWindows",
+        "WanVACEOffloadOptions",
+        "WanVACEParallelOptions",
+    } - {"WanVACEModelLoader"} <= held
+    print("ranged widgets of nodes no shipped workflow holds yet:", sorted(set(ranges) - held))
+    failures, tried = [], 0
+    for class_type, inputs in sorted(ranges.items()):
+        if class_type not in held:
+            continue
+        for name, kind, low, high in inputs:
+            for value in _bad_values(kind, low, high):
+                workflow, node_id = _workflow_holding(class_type)
+                workflow[node_id]["inputs"][name] = value
+                code, body, _ = _post(comfy_server, workflow)
+                tried += 1
+                errors = [(nid, e) for nid, node in body.get("node_errors", {}).items() for e in node["errors"]]
+                names = [(nid, e["extra_info"].get("input_name")) for nid, e in errors]
+                if code != 400 or names != [(node_id, name)]:
+                    failures.append(f"{class_type}.{name}={value}: HTTP {code}, errors under {names}")
+    assert tried > 60, tried
+    assert not failures, "\n".join(failures)
+
+
+# ==================================================================================================
+# Bad inputs against the features: refused once, under the input they are about, naming it
+
+
+def _set(workflow_of, class_type: str, **values):
+    def build() -> tuple[dict, str]:
+        workflow = workflow_of()
+        return _with(workflow, class_type, **values)
+
+    return build
+
+
+def _first_lora_with(**values):
+    def build() -> tuple[dict, str]:
+        workflow = _lightning()
+        node_id = min(key for key, node in workflow.items() if node["class_type"] == "WanVACELoraLoader")
+        workflow[node_id]["inputs"].update(values)
+        return workflow, node_id
+
+    return build
+
+
+def _t2v_with(class_type: str, **values):
+    return _set(_t2v, class_type, **values)
+
+
+C, S, D = "WanVACEConditioning", "WanVACESampler", "WanVACEDecode"
+BAD_INPUTS = [
+    # (label, build -> (workflow, node id), input, fragment of the message)
+    (
+        "width not a multiple of 16",
+        _t2v_with(C, width=65),
+        "width",
+        "width=65 is not a positive multiple of 16; use 64",
+    ),
+    ("height not a multiple of 16", _t2v_with(C, height=70), "height", "height=70 is not a positive multiple of 16"),
+    ("length not 4n+1", _t2v_with(C, length=80), "length", "length=80 frames is not of the form 4n+1"),
+    ("length far too long", _t2v_with(C, length=100001), "length", "length=100001 is outside its range 1 to 1025"),
+    (
+        "the shipped 832x480 on the tiny model",
+        _t2v_with(C, width=832, height=480, length=81),
+        "width",
+        "width=832 is more than this model can run: its rope_max_seq_len 32",
+    ),
+    ("a height the tiny model cannot run", _t2v_with(C, height=528), "height", "can be at most 512; use 512 or less"),
+    (
+        "a length the tiny model cannot run",
+        _t2v_with(C, length=161),
+        "length",
+        "length=161 gives 41 latent frames per transformer call",
+    ),
+    ("empty prompt", _t2v_with(C, positive="  "), "positive", "positive prompt is empty"),
+    (
+        "VACE window reversed",
+        _t2v_with(C, vace_start_percent=0.8, vace_end_percent=0.2),
+        "vace_start_percent",
+        "vace_start_percent=0.8 is after vace_end_percent=0.2",
+    ),
+    ("VACE end NaN", _t2v_with(C, vace_end_percent=NAN), "vace_end_percent", "vace_end_percent=nan is not a finite"),
+    ("tile overlap not below the tile", _t2v_with(C, tile_overlap=256), "tile_overlap", "below tile_size=256"),
+    ("tiling mode unknown", _t2v_with(D, tiled="sometimes"), "tiled", "tiled='sometimes' is not a tiling mode"),
+    ("decode tile not a multiple of 8", _t2v_with(D, tile_size=250), "tile_size", "tile_size=250 is not a multiple"),
+    ("scheduler unknown", _t2v_with(S, scheduler="ddim"), "scheduler", "scheduler='ddim' is unknown"),
+    ("model not installed", _t2v_with("WanVACEModelLoader", model_name="x"), "model_name", "model_name='x' is not in"),
+    ("attention unknown", _t2v_with("WanVACEModelLoader", attention="fastest"), "attention", "attention='fastest'"),
+    (
+        "expert not installed",
+        _set(lambda: _i2v_fp8(), "WanVACEExpertsLoader", low_noise_model="x.safetensors"),
+        "low_noise_model",
+        "low_noise_model='x.safetensors' is not in ComfyUI's models/diffusion_models folder",
+    ),
+    (
+        "window not 4n+1",
+        lambda: _with_windows(context_length=18),
+        "context_length",
+        "context_length=18 must be 4n+1",
+    ),
+    (
+        "window far too long",
+        lambda: _with_windows(context_length=1000001),
+        "context_length",
+        "context_length=1000001 is outside its range 5 to 1025",
+    ),
+    (
+        "overlap not a multiple of 4",
+        lambda: _with_windows(context_overlap=18),
+        "context_overlap",
+        "context_overlap=18 must be a multiple of 4",
+    ),
+    (
+        "overlap as long as the window",
+        lambda: _with_windows(context_length=17, context_overlap=16),
+        "context_overlap",
+        "context_overlap=16 must be less than context_length - 1",
+    ),
+    ("stride above 8", lambda: _with_windows(context_stride=9), "context_stride", "Value 9 bigger than max of 8"),
+    ("schedule unknown", lambda: _with_windows(schedule="random"), "schedule", "schedule='random' is unknown"),
+    ("fuse unknown", lambda: _with_windows(fuse_method="mean"), "fuse_method", "fuse_method='mean' is unknown"),
+    (
+        "a window the tiny model cannot run",
+        lambda: _with_windows(_with(_t2v(), C, length=241)[0], context_length=161, context_overlap=16),
+        "context_length",
+        "context_length=161 gives 41 latent frames per window",
+    ),
+    (
+        "the cache with moving windows",
+        lambda: _with_windows(_with_cache(_with(_t2v(), C, length=33)[0])[0], schedule="standard_uniform"),
+        "schedule",
+        "the cache needs context windows with schedule standard_static, not 'standard_uniform'",
+    ),
+    ("cache mode unknown", lambda: _with_cache(mode="FBCache"), "mode", "mode='FBCache' is unknown"),
+    ("cache threshold NaN", lambda: _with_cache(residual_diff_threshold=NAN), "residual_diff_threshold", "nan"),
+    (
+        "LoRA not installed",
+        _first_lora_with(lora_name="x.safetensors"),
+        "lora_name",
+        "lora_name='x.safetensors' is not in ComfyUI's models/loras folder",
+    ),
+    (
+        "LoRA strength NaN",
+        _first_lora_with(strength_low_noise=NAN),
+        "strength_low_noise",
+        "nan",
+    ),
+    ("offload mode unknown", lambda: _with_offload(mode="sequential"), "mode", "mode='sequential' is unknown"),
+    ("offload prefetch above 16", lambda: _with_offload(prefetch_blocks=17), "prefetch_blocks", "Value 17 bigger"),
+    ("parallel GPUs not there", lambda: _with_parallel(devices="cuda:0,cuda:1"), "devices", "this machine has 0 GPU"),
+    ("parallel no devices", lambda: _with_parallel(devices=""), "devices", "devices is empty"),
+    (
+        "ulysses not dividing",
+        lambda: _with_parallel(ulysses_degree=3),
+        "ulysses_degree",
+        "ulysses_degree=3 must divide",
+    ),
+    (
+        "replicate without hsdp",
+        lambda: _with_parallel(replicate_size=2),
+        "replicate_size",
+        "only applies to shard=hsdp",
+    ),
+    ("shard unknown", lambda: _with_parallel(shard="zero3"), "shard", "shard='zero3' is unknown"),
+    ("launcher unknown", lambda: _with_parallel(launcher="mpirun"), "launcher", "launcher='mpirun' is unknown"),
+    (
+        "CFG parallel on an odd count",
+        lambda: _with_parallel(devices="cpu,cpu,cpu", cfg_parallel=True),
+        "cfg_parallel",
+        "cfg_parallel needs an even number of devices",
+    ),
+    (
+        "torchrun endpoint not host:port",
+        lambda: _with_parallel(launcher="torchrun", endpoint="nonsense"),
+        "endpoint",
+        "endpoint='nonsense' is not host:port",
+    ),
+]
+
+
+@pytest.mark.every_variant
+@pytest.mark.parametrize(("label", "build", "name", "fragment"), BAD_INPUTS, ids=[case[0] for case in BAD_INPUTS])
+def test_a_bad_input_is_refused_once_under_its_input(label, build, name, fragment, comfy_server):
+    workflow, node_id = build()
+    _refused_once(comfy_server, workflow, node_id, name, fragment)
+
+
+def test_a_lora_over_parallel_workers_is_refused_under_each_lora_name(comfy_server):
+    workflow, _ = _with_parallel(_lightning())
     code, body, _ = _post(comfy_server, workflow)
     assert code == 400, body
-    # ComfyUI lists a refusal of validate_inputs under each of its inputs in the prompt; the attention entry is ours.
-    (error,) = [
-        error for error in body["node_errors"][node_id]["errors"] if error["extra_info"]["input_name"] == "attention"
-    ]
-    assert error["details"].startswith(f"attention - attention={attention!r} cannot run on cpu: "), error
-    assert fragment in error["details"], error
+    loras = sorted(key for key, node in workflow.items() if node["class_type"] == "WanVACELoraLoader")
+    assert sorted(body["node_errors"]) == loras
+    for node_id in loras:
+        (error,) = body["node_errors"][node_id]["errors"]
+        assert error["extra_info"]["input_name"] == "lora_name"
+        assert "LoRAs do not run yet on experts in parallel workers" in error["details"]
+
+
+def test_a_width_through_comfyuis_primitive_node_is_checked_against_the_model(comfy_server):
+    # Workflows that set the size once feed it from a primitive node; its value is known when the prompt is queued.
+    workflow = _t2v()
+    conditioning = _node_id(workflow, C)
+    workflow["900"] = {"class_type": "PrimitiveInt", "inputs": {"value": 832}}
+    workflow[conditioning]["inputs"]["width"] = ["900", 0]
+    _refused_once(comfy_server, workflow, conditioning, "width", "width=832 is more than this model can run")
+
+
+@pytest.mark.every_variant
+def test_model_default_widgets_say_so_on_the_node_and_old_prompts_keep_their_values(comfy_server):
+    info = comfy_server.object_info("WanVACESampler")["WanVACESampler"]["input"]["required"]
+    assert info["boundary_ratio"][1]["display_name"] == "boundary_ratio (-1 = model's)"
+    assert info["shift"][1]["display_name"] == "shift (0 = model's)"
+    assert (info["boundary_ratio"][1]["default"], info["shift"][1]["default"]) == (-1.0, 0.0)
+    cache = comfy_server.object_info("WanVACECacheOptions")["WanVACECacheOptions"]["input"]["required"]
+    assert cache["max_cached_steps"][1]["display_name"] == "max_cached_steps (-1 = no limit)"
+    # A saved prompt names inputs by id, never by label: -1 and 0 still mean the model's values.
+    workflow, _ = _with(_t2v(), S, boundary_ratio=-1.0, shift=0.0, seed=4242)
+    result = comfy_server.run_prompt(workflow, timeout=600)
+    assert result.status == "success", (result.error, result.response)

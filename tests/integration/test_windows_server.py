@@ -125,9 +125,12 @@ def test_windows_with_the_cache_equal_the_cached_windowed_run_alone_and_report_e
 
 
 def test_the_cache_with_moving_windows_fails_the_prompt_naming_the_schedule(comfy_server):
+    # Refused when queued, under the windows node's schedule (nodes/graph_checks.py reads the graph).
     result = comfy_server.run_prompt(_workflow(65, "windows/moving", WINDOWS, cache=True))
-    assert result.status == "error"
-    assert "schedule standard_static, not 'standard_uniform'" in json.dumps(result.error)
+    assert result.status == "rejected"
+    (error,) = result.node_errors["710"]["errors"]
+    assert error["extra_info"]["input_name"] == "schedule"
+    assert "schedule standard_static, not 'standard_uniform'" in error["details"]
 
 
 @pytest.mark.parametrize(
