@@ -482,7 +482,11 @@ def _in_request_terms(class_type: str, input_name: str, text: str, request: Vide
     for node_term, request_term in REQUEST_TERMS.items():
         text = text.replace(node_term, request_term)
     held = SIZE_OR_LENGTH_OF_INPUT.get((class_type, input_name))
-    if held is not None:
+    if (class_type, input_name) == ("WanVACEControlVideo", "length") and request.mode == "extension":
+        # There it keeps extra_params.given_frames of the clip (prompts.build_prompt), not the video's length.
+        param = "extra_params.given_frames"
+        text = re.sub(r"\blength\b", "given_frames", text)
+    elif held is not None:
         param = request.sources.get(held, "num_frames" if held == "length" else held)
         # The node's "length" is the request's frame count, whichever field set it.
         text = re.sub(r"\blength\b", "num_frames", text) if held == "length" else text

@@ -753,7 +753,13 @@ def test_sdk_seed_through_extra_body_same_seed_same_video_another_seed_another(a
         ({"extra_body": {"num_inference_steps": 201}}, "num_inference_steps", "num_inference_steps: Value 201"),
         ({"extra_body": {"guidance_scale_2": 31}}, "guidance_scale_2", "guidance_scale_2: Value 31"),
         ({"extra_body": {"fps": 500}}, "fps", "fps: Value 500"),
-        # One refusal ComfyUI lists under every input of the node's validate_inputs, positive first.
+        # The model the graph loads cannot run it (the tiny model's RoPE table: 32 patches of 16 px, 32 latent
+        # frames): refused by the conditioning node when the job is queued, named by the field that set it.
+        ({"size": "1024x48"}, "size", "size=1024x48: width=1024 is more than this model can run"),
+        ({"extra_body": {"width": 64, "height": 528}}, "height", "height=528 is more than this model can run"),
+        ({"seconds": "8"}, "seconds", "seconds=8 at fps=16 is num_frames=129: num_frames=129 gives 33 latent frames"),
+        ({"extra_body": {"num_frames": 129}}, "num_frames", "use num_frames 125 or less, or connect extra_params."),
+        # A refusal of the node's validate_inputs about two inputs (ComfyUI lists it under each of its arguments).
         (
             {"extra_body": {"extra_params": json.dumps({"vace_start_percent": 0.8, "vace_end_percent": 0.2})}},
             "extra_params.vace_start_percent",
@@ -773,6 +779,10 @@ def test_sdk_seed_through_extra_body_same_seed_same_video_another_seed_another(a
         "steps",
         "cfg",
         "fps",
+        "rope_size",
+        "rope_height",
+        "rope_seconds",
+        "rope_num_frames",
         "vace_window",
     ],
 )
