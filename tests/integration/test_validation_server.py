@@ -813,3 +813,19 @@ def test_model_default_widgets_say_so_on_the_node_and_old_prompts_keep_their_val
     workflow, _ = _with(_t2v(), S, boundary_ratio=-1.0, shift=0.0, seed=4242)
     result = comfy_server.run_prompt(workflow, timeout=600)
     assert result.status == "success", (result.error, result.response)
+
+
+def test_reference_images_that_leave_the_video_too_few_frames_are_refused_when_the_conditioning_runs(comfy_server):
+    # Their count is not known when the prompt is queued (an IMAGE batch from other nodes): 121 frames are 31 latent
+    # frames, which the tiny model runs alone, but not beside the workflow's 2 reference images (33 > 32). The
+    # conditioning node refuses before it encodes anything, naming the length that fits.
+    workflow = for_tiny_model(json.loads((API_DIR / "wanvace_r2v.json").read_text()))
+    workflow, node_id = _with(workflow, C, length=121)
+    result = comfy_server.run_prompt(workflow, timeout=300)
+    assert result.status == "error", (result.status, result.response)
+    assert result.error["node_id"] == node_id, result.error
+    assert result.error["exception_type"] == "WanVACEInputError"
+    assert result.error["exception_message"].startswith(
+        "length=121 gives 31 latent frames plus 2 reference frame(s) per transformer call"
+    ), result.error
+    assert "use length 117 or less beside 2 reference image(s)" in result.error["exception_message"]
