@@ -39,8 +39,8 @@ _REPACKAGED_22 = "https://huggingface.co/Comfy-Org/Wan_2.2_ComfyUI_Repackaged"
 _REPACKAGED_21 = "https://huggingface.co/Comfy-Org/Wan_2.1_ComfyUI_repackaged"
 # Where the files of each folder type come from (README, "Weights"); a refusal of a name that is not there says it.
 _DOWNLOADS = {
-    "diffusers": "download the pipeline folder https://huggingface.co/Pyros13/Wan2.2-VACE-Fun-A14B-Diffusers (about "
-    "75 GB) into ComfyUI/models/diffusers/, keeping its folder (models/diffusers/Wan2.2-VACE-Fun-A14B-Diffusers/"
+    "diffusers": "download the pipeline folder https://huggingface.co/Pyros13/Wan2.2-VACE-Fun-A14B-Diffusers into "
+    "ComfyUI/models/diffusers/, keeping its folder (models/diffusers/Wan2.2-VACE-Fun-A14B-Diffusers/"
     "model_index.json), or use WanVACE Experts Loader with single files",
     "diffusion_models": f"download wan2.2_fun_vace_high_noise_14B_fp8_scaled.safetensors and "
     f"wan2.2_fun_vace_low_noise_14B_fp8_scaled.safetensors (or the bf16 ones) from {_REPACKAGED_22} "
