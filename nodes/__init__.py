@@ -5,8 +5,9 @@ from comfy_api.v0_0_2 import ComfyExtension, io
 from .cache import WanVACECacheOptions
 from .conditioning import WanVACEConditioning
 from .decode import WanVACEDecode
-from .examples import install_example_inputs
+from .examples import install_example_inputs, install_template_order
 from .experts_loader import WanVACEExpertsLoader
+from .frames import WanVACEControlVideo, WanVACEFirstLastFrame, WanVACEOutpaintCanvas
 from .loader import WanVACEModelLoader
 from .lora import WanVACELoraLoader
 from .offload import WanVACEOffloadOptions
@@ -26,6 +27,7 @@ class WanVACEExtension(ComfyExtension):
         # ComfyUI 0.3.75 never calls on_load; the copy runs once either way. The videos API's routes must be on
         # the server before it starts listening, which is after the nodes load.
         install_example_inputs()
+        install_template_order()
         install_queue_checks()
         install_videos_api()
         return [
@@ -33,6 +35,9 @@ class WanVACEExtension(ComfyExtension):
             WanVACEExpertsLoader,
             WanVACELoraLoader,
             WanVACEConditioning,
+            WanVACEControlVideo,
+            WanVACEFirstLastFrame,
+            WanVACEOutpaintCanvas,
             WanVACESampler,
             WanVACEDecode,
             WanVACECacheOptions,

@@ -1,4 +1,4 @@
-"""Put the example inputs the shipped workflows name into ComfyUI's input folder.
+"""Put the example inputs the shipped workflows name into ComfyUI's input folder, and list the templates in order.
 
 LoadImage, LoadImageMask and LoadVideo offer the files of ComfyUI's input directory, so a template
 that names `wanvace_example_first.png` only opens cleanly where that file is there. When the pack
@@ -11,6 +11,7 @@ No ComfyUI import at module level, so tests can load this file on its own.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -82,3 +83,50 @@ def install_example_inputs() -> list[str]:
         LOG.warning("WanVACE: no ComfyUI input directory (%s); example inputs not copied", exc)
         return []
     return copy_missing_examples(input_dir)
+
+
+# --- the order of the pack's templates -------------------------------------------------------------------------------
+
+TEMPLATE_DIR = Path(__file__).resolve().parents[1] / "example_workflows"
+_TEMPLATE_LIST_PATHS = ("/workflow_templates", "/api/workflow_templates")
+_order_installed = False
+
+
+def ordered_template_list(listed: dict, ours: set[str]) -> dict:
+    """ComfyUI's `/workflow_templates` answer with this pack's entry (the one that lists exactly our templates)
+    sorted by name. The names start with their place ("01 Text to Video", ...); ComfyUI 0.3.75 and 0.33 list a pack's
+    files in file-system order, and the frontends (1.32, 1.49) show them in the order listed."""
+    return {
+        module: sorted(names) if isinstance(names, list) and set(names) == ours else names
+        for module, names in listed.items()
+    }
+
+
+def install_template_order() -> None:
+    """Have ComfyUI's server list this pack's templates in their order (an aiohttp middleware on that one route)."""
+    global _order_installed
+    if _order_installed:
+        return
+    _order_installed = True
+    try:
+        from aiohttp import web
+        from server import PromptServer
+
+        app = PromptServer.instance.app
+    except Exception as exc:  # whatever ComfyUI raises, the pack must still load
+        LOG.warning("WanVACE: templates left in ComfyUI's order (%s)", exc)
+        return
+    ours = {p.stem for p in TEMPLATE_DIR.glob("*.json")}
+
+    @web.middleware
+    async def templates_in_order(request, handler):
+        response = await handler(request)
+        if request.method != "GET" or request.path not in _TEMPLATE_LIST_PATHS or response.status != 200:
+            return response
+        try:
+            listed = json.loads(response.text)
+        except (AttributeError, TypeError, ValueError):
+            return response
+        return web.json_response(ordered_template_list(listed, ours))
+
+    app.middlewares.append(templates_in_order)

@@ -2,8 +2,9 @@
 
 The pack copies these files into ComfyUI's input folder when it loads (`nodes/examples.py`), so
 every shipped workflow opens with its LoadImage / LoadVideo / LoadImageMask inputs in place. They are
-drawn here from code (no downloaded media), small (a few KB each) and in the workflows' aspect ratio
-(832x480, i.e. 208x120 pixels; the workflows scale them to their own size).
+drawn here from code (no downloaded media), small (a few KB each; the videos 81 frames, as long as the
+workflows' videos, under 40 KB) and in the workflows' aspect ratio (832x480, i.e. 208x120 pixels; the workflows
+scale them to their own size).
 
     .venvs/current/bin/python scripts/make_example_inputs.py           # (re)write the files
     .venvs/current/bin/python scripts/make_example_inputs.py --check   # exit 1 if a file differs
@@ -30,7 +31,8 @@ EXAMPLE_DIR = REPO_ROOT / "example_inputs"
 
 # 832x480 (the workflows' size) divided by 4.
 WIDTH, HEIGHT = 208, 120
-FRAMES, FPS = 17, 16
+# As many frames as the workflows' videos (81 = 5 s at 16 fps), so a control or source clip covers all of them.
+FRAMES, FPS = 81, 16
 # Largest mean absolute difference (0-255) a re-encoded frame may show in --check.
 VIDEO_TOLERANCE = 3.0
 
@@ -118,7 +120,7 @@ def _pose_frame(i: int) -> np.ndarray:
     img = Image.new("RGB", (WIDTH, HEIGHT), (0, 0, 0))
     draw = ImageDraw.Draw(img)
     t = i / (FRAMES - 1)
-    swing = math.cos(2 * math.pi * t)
+    swing = math.cos(2 * math.pi * 3 * t)  # three waves of the arms in the 5 s
     cx = round(WIDTH / 2 + 30 * math.sin(math.pi * t) - 15)
     head, neck, hip = (cx, 24), (cx, 36), (cx, 70)
     limbs = {

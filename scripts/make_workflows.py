@@ -50,25 +50,29 @@ import json
 import math
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TESTS_DIR = REPO_ROOT / "tests"
-for _p in (str(TESTS_DIR), str(REPO_ROOT)):
+for _p in (str(TESTS_DIR), str(REPO_ROOT), str(Path(__file__).resolve().parent)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
 from workflow_graphs import (  # noqa: E402
     GROUP_COLORS,
-    SINGLE_FILES,
+    MODEL_FILES,
+    REAL_MODEL,
     WORKFLOW_TITLES,
     WORKFLOWS,
+    ModelFile,
     UiLayout,
+    UiNode,
     build_api_workflow,
     build_ui_layout,
 )
+from workflow_layout import SOCKET_RUN, Box, Router, crossings, link_points  # noqa: E402
 
 API_DIR = REPO_ROOT / "example_workflows" / "api"
 UI_DIR = REPO_ROOT / "example_workflows"
@@ -96,6 +100,23 @@ NODE_WIDTH_MULTILINE = 400
 SLOT_HEIGHT = 20
 WIDGET_HEIGHT = 24
 MULTILINE_HEIGHT = 70
+# Where frontend 1.49 draws the slots, below the title bar: the first socket row's centre, the gap before the
+# widgets, a widget's socket below the top of its row, a multiline widget's row; outputs' x from the right edge,
+# inputs' from the left one.
+SLOT_Y = 14
+WIDGET_TOP = 6
+WIDGET_SOCKET_Y = 10
+MULTILINE_ROW_HEIGHT = 74
+OUTPUT_SLOT_INSET = 9
+INPUT_SLOT_X = 10
+# The frontend's primitive node (an INT one: its value and the "control after generate" widget), and LiteGraph's
+# mode "never", which the frontend leaves out of the prompt with its links.
+PRIMITIVE_TYPE = "PrimitiveNode"
+PRIMITIVE_SIZE = (210, 82)
+MUTED_MODE = 2
+# What a run adds below a node, measured in frontend 1.49 (tests/integration/test_browser.py runs a workflow and
+# checks): the sampler's live preview (310 -> 522 px) and SaveVideo's player (106 -> 301 px).
+RUN_PREVIEW_HEIGHT = {"WanVACESampler": 230, "SaveVideo": 210}
 # Room for the upload nodes' preview: the frontends draw a loaded image in what is left of the node
 # (they grow LoadImage to 326 px at least) and give a video at least 256 px. An output node's
 # preview (SaveVideo) appears after a run; its group leaves room below it.
@@ -111,6 +132,9 @@ SIZE_FLOORS = {
     "WanVACECacheOptions": (301, 250),
     # Measured in frontend 1.49: the boolean toggle row and the file-name combos take more than the estimate.
     "WanVACEModelLoader": (270, 140),
+    "WanVACELoraLoader": (280, 130),
+    # The frontends grow a LoadImage that shows its image to 314 (1.49) or 326 (1.32) px.
+    "LoadImage": (270, 326),
     "WanVACEExpertsLoader": (300, 290),
 }
 # Groups: LiteGraph draws the title in a bar of font_size * 1.4 at the top of `bounding`.
@@ -119,9 +143,11 @@ GROUP_TITLE_HEIGHT = 34
 GROUP_PADDING = 10
 # Between a group's title bar and its first node's title: room for the frontend's node badges.
 NODE_TOP_GAP = 18
-NODE_GAP = 22
-COLUMN_GAP = 24
-GROUP_GAP = 24
+# Gaps wide enough for links (and their reroutes) to run between nodes and groups, clear of both.
+NODE_GAP = 40
+COLUMN_GAP = 80
+GROUP_GAP = 80
+ROUTE_MARGIN = 40
 NOTE_TYPE = "MarkdownNote"
 NOTE_TITLE = "Read me"
 NOTE_WIDTH = 400
@@ -270,6 +296,21 @@ class _NodeLayout:
     def widgets_values_named(self, inputs: dict) -> dict:
         return dict(self._widget_values(inputs))
 
+    def input_y(self, name: str, outputs: int) -> float:
+        """Where the frontend (1.49) puts input `name` below the node's title: sockets in rows of SLOT_HEIGHT, a
+        widget's socket on its widget's row, which start below the sockets and outputs."""
+        if name in self.sockets:
+            return SLOT_Y + SLOT_HEIGHT * self.sockets.index(name)
+        y = SLOT_HEIGHT * max(len(self.sockets), outputs) + WIDGET_TOP
+        for widget in self.widget_inputs:
+            if widget == name:
+                return y + WIDGET_SOCKET_Y
+            multiline = _input_options(self.specs[widget]).get("multiline", False)
+            y += MULTILINE_ROW_HEIGHT if multiline else WIDGET_HEIGHT
+            if _has_seed_control(widget, self.specs[widget]):
+                y += WIDGET_HEIGHT
+        raise KeyError(f"{self.class_type} has no input {name}")
+
     def size(self, outputs: int) -> list[int]:
         widget_rows = len(self.sized_widgets) - self.multiline + (1 if self.upload else 0)
         widget_rows += sum(1 for n in self.sized_widgets if _has_seed_control(n, self.specs[n]))
@@ -316,15 +357,9 @@ def _execution_order(ids: list[int], links: list[list]) -> list[int]:
     return order
 
 
-class _Box(NamedTuple):
-    x: float
-    y: float
-    w: float
-    h: float
-
-
-def _note_height(text: str) -> int:
-    """Body height for the note's Markdown: wrapped lines at NOTE_LINE_HEIGHT, headings taller."""
+def _note_height(text: str, width: float = NOTE_WIDTH) -> int:
+    """Body height for the note's Markdown at `width`: wrapped lines at NOTE_LINE_HEIGHT, headings taller."""
+    chars_per_line = NOTE_CHARS_PER_LINE * width / NOTE_WIDTH
     lines = 0.0
     for line in text.splitlines():
         if not line.strip():
@@ -332,53 +367,74 @@ def _note_height(text: str) -> int:
         elif line.startswith("#"):
             lines += 1.8
         else:
-            lines += math.ceil(len(line) / NOTE_CHARS_PER_LINE)
-    return round(lines * NOTE_LINE_HEIGHT + 2 * NODE_PADDING)
+            lines += math.ceil(len(line) / chars_per_line)
+    # One line more than counted: the renderer wraps at word boundaries.
+    return round((lines + 1) * NOTE_LINE_HEIGHT + 2 * NODE_PADDING)
 
 
-def _group_content(members: dict[int, list[int]], sizes: dict[int, list[int]]) -> tuple[dict[int, tuple], float, float]:
-    """Node offsets inside a group (columns left to right, nodes stacked in id order) and its inner size."""
+def _group_content(
+    members: dict[int, list[int]], sizes: dict[int, list[int]], room: dict[int, int]
+) -> tuple[dict[int, tuple], float, float]:
+    """Node offsets inside a group (columns left to right, nodes stacked in placement order, each with `room` below
+    it) and its inner size."""
     offsets: dict[int, tuple] = {}
     x, height = 0.0, 0.0
     for column in sorted(members):
-        nodes = sorted(members[column])
+        nodes = members[column]
         y = 0.0
         for node in nodes:
             offsets[node] = (x, y + TITLE_HEIGHT)
-            y += TITLE_HEIGHT + sizes[node][1] + NODE_GAP
+            y += TITLE_HEIGHT + sizes[node][1] + room.get(node, 0) + NODE_GAP
         height = max(height, y - NODE_GAP)
         x += max(sizes[n][0] for n in nodes) + COLUMN_GAP
     return offsets, x - COLUMN_GAP, height
 
 
 def _page_layout(
-    layout: UiLayout, ids: list[int], sizes: dict[int, list[int]], note_size: list[int]
-) -> tuple[dict[int, list[float]], dict[str, _Box], _Box]:
-    """Positions of the nodes and the note, group boxes, and the note's box (title bar included)."""
+    layout: UiLayout, placement: dict[int, tuple[str, int]], sizes: dict[int, list[int]], room: dict[int, int]
+) -> tuple[dict[int, list[float]], dict[str, Box], Box, list[int]]:
+    """Positions of the nodes, group boxes, the note's box (title bar included) and its size: as wide as the
+    widest group of its column, as tall as its text then needs."""
     members: dict[str, dict[int, list[int]]] = {}
-    for node in ids:
-        group, column = layout.placement[str(node)]
+    for node, (group, column) in placement.items():
         if group not in layout.groups:
             raise KeyError(f"node {node} is placed in group {group!r}, which the layout does not define")
         members.setdefault(group, {}).setdefault(column, []).append(node)
-    placed = [key for column in layout.page for row in column for key in row]
+    above_start, above = layout.above
+    placed = [key for column in layout.page for row in column for key in row] + list(above)
     missing = (set(members) | set(layout.groups)) - set(placed)
     if missing or len(placed) != len(set(placed)) or "note" not in placed:
-        raise ValueError(f"the page must place the note and every group once: {layout.page}")
+        raise ValueError(f"the page must place the note and every group once: {layout.page}, {layout.above}")
+    # The nodes of a group's column share its width, so every link leaves the column at its right edge.
+    for columns in members.values():
+        for nodes in columns.values():
+            width = max(sizes[n][0] for n in nodes)
+            for n in nodes:
+                sizes[n][0] = width
 
-    content = {key: _group_content(members.get(key, {}), sizes) for key in layout.groups}
+    content = {key: _group_content(members.get(key, {}), sizes, room) for key in layout.groups}
     natural = {
         key: (w + 2 * GROUP_PADDING, GROUP_TITLE_HEIGHT + NODE_TOP_GAP + h + GROUP_PADDING)
         for key, (_offsets, w, h) in content.items()
     }
+    (note_column,) = [column for column in layout.page if ["note"] in column]
+    note_width = max([NOTE_WIDTH] + [natural[k][0] for row in note_column for k in row if k != "note"])
+    note_size = [note_width, _note_height(layout.note, note_width)]
     natural["note"] = (note_size[0], TITLE_HEIGHT + note_size[1])
 
-    boxes: dict[str, _Box] = {}
+    boxes: dict[str, Box] = {}
+    # A row of groups above the columns from `above_start` on, starting at that column's left edge.
+    above_height = max((natural[k][1] for k in above), default=0)
     x = 0.0
-    for column in layout.page:
+    for index, column in enumerate(layout.page):
+        if index == above_start and above:
+            rx = x
+            for key in above:
+                boxes[key] = Box(rx, 0.0, natural[key][0], above_height)
+                rx += natural[key][0] + GROUP_GAP
         rows = [(row, sum(natural[k][0] for k in row) + GROUP_GAP * (len(row) - 1)) for row in column]
         column_width = max(width for _row, width in rows)
-        y = 0.0
+        y = above_height + GROUP_GAP if above and index >= above_start else 0.0
         for row, _width in rows:
             row_height = max(natural[k][1] for k in row)
             rx = x
@@ -389,7 +445,7 @@ def _page_layout(
                     h = row_height
                     if len(row) == 1:
                         w = column_width
-                boxes[key] = _Box(rx, y, w, h)
+                boxes[key] = Box(rx, y, w, h)
                 rx += w + GROUP_GAP
             y += row_height + GROUP_GAP
         x += column_width + GROUP_GAP
@@ -400,10 +456,10 @@ def _page_layout(
         for node, (dx, dy) in offsets.items():
             positions[node] = [box.x + GROUP_PADDING + dx, box.y + GROUP_TITLE_HEIGHT + NODE_TOP_GAP + dy]
     note = boxes.pop("note")
-    return positions, boxes, note
+    return positions, boxes, note, note_size
 
 
-def _fits(boxes: list[_Box], scale: float) -> bool:
+def _fits(boxes: list[Box], scale: float) -> bool:
     for box in boxes:
         x0, y0 = VIEW_LEFT + box.x * scale, VIEW_TOP + box.y * scale
         x1, y1 = x0 + box.w * scale, y0 + box.h * scale
@@ -415,7 +471,7 @@ def _fits(boxes: list[_Box], scale: float) -> bool:
     return True
 
 
-def _saved_view(boxes: list[_Box]) -> dict:
+def _saved_view(boxes: list[Box]) -> dict:
     """extra.ds: the page (its top left corner at canvas 0, 0) in the visible part of the editor."""
     steps = range(round(MAX_SCALE * 100), round(MIN_SCALE * 100) - 1, -1)
     scale = next((step / 100 for step in steps if _fits(boxes, step / 100)), MIN_SCALE)
@@ -427,31 +483,110 @@ def _num(value: float):
     return int(value) if float(value).is_integer() else value
 
 
+class _Link(NamedTuple):
+    id: int
+    origin: int
+    origin_slot: int
+    target: int
+    target_slot: int
+    type: str
+    target_input: str
+
+
+def node_box(pos: Sequence[float], size: Sequence[float]) -> Box:
+    """A node with its title bar (LiteGraph draws it above `pos`)."""
+    return Box(pos[0], pos[1] - TITLE_HEIGHT, size[0], size[1] + TITLE_HEIGHT)
+
+
+def group_title_box(bounding: Sequence[float]) -> Box:
+    return Box(bounding[0], bounding[1], bounding[2], GROUP_TITLE_HEIGHT)
+
+
+def _link_ends(link: _Link, positions, sizes, layouts, shown_outputs) -> tuple[tuple, tuple]:
+    """Where the frontend puts a link's output and input slot."""
+    target = layouts[link.target]
+    start = (
+        positions[link.origin][0] + sizes[link.origin][0] - OUTPUT_SLOT_INSET,
+        positions[link.origin][1] + SLOT_Y + SLOT_HEIGHT * link.origin_slot,
+    )
+    y = target.input_y(link.target_input, shown_outputs[link.target])
+    end = (positions[link.target][0] + INPUT_SLOT_X, positions[link.target][1] + y)
+    return start, end
+
+
+def route_links(
+    links: list[_Link], positions, sizes, layouts, shown_outputs, obstacles: dict[str, Box], bounds: Box
+) -> tuple[dict[int, list[tuple]], list[str]]:
+    """Reroute corners per link id for links whose direct curve would cross a node or a group title, and what
+    could not be routed."""
+    router = Router(bounds, obstacles.values())
+    corners: dict[int, list[tuple]] = {}
+    problems = []
+    for link in links:
+        start, end = _link_ends(link, positions, sizes, layouts, shown_outputs)
+        own = {f"node {link.origin}", f"node {link.target}"}
+        others = {k: v for k, v in obstacles.items() if k not in own}
+        if end[0] - start[0] > 2 * SOCKET_RUN and not crossings(link_points(start, end), others):
+            continue
+        found = router.route(start, end)
+        hit = ["no path"] if found is None else crossings(link_points(start, end, found), others)
+        if hit:
+            problems.append(f"link {link.id} ({link.origin} -> {link.target}.{link.target_input}: {', '.join(hit)})")
+            continue
+        corners[link.id] = found
+    return corners, problems
+
+
+def _primitive_node(node_id: int, key: str, ui_node: UiNode, position, links_out: list[int]) -> dict:
+    first_input = ui_node.targets[0][1]
+    return {
+        "id": node_id,
+        "type": PRIMITIVE_TYPE,
+        "title": ui_node.title,
+        "pos": [_num(v) for v in position],
+        "size": list(PRIMITIVE_SIZE),
+        "flags": {},
+        "order": 0,
+        "mode": 0,
+        "inputs": [],
+        "outputs": [{"name": "INT", "type": "INT", "widget": {"name": first_input}, "links": links_out}],
+        "properties": {"Run widget replace on values": False},
+        "widgets_values": [ui_node.value, SEED_CONTROL_VALUE],
+        "widgets_values_named": {"value": ui_node.value, SEED_CONTROL_WIDGET: SEED_CONTROL_VALUE},
+    }
+
+
+def _model_entry(file: ModelFile) -> dict:
+    return {"name": file.name, "url": file.url, "directory": file.directory}
+
+
 def api_to_ui(api: dict, object_info: dict, layout: UiLayout) -> dict:
     """Convert an API-format graph into the graph editor's UI workflow format, laid out as `layout` says."""
     ids = sorted(int(k) for k in api)
+    # Graph-editor-only nodes after the API ones and the note, so the API twin's ids are the UI file's.
+    note_id = max(ids, default=0) + 1
+    ui_ids = {key: note_id + 1 + i for i, key in enumerate(layout.ui_nodes)}
+    node_inputs: dict[int, dict] = {i: api[str(i)]["inputs"] for i in ids}
+    class_types: dict[int, str] = {i: api[str(i)]["class_type"] for i in ids}
+    for key, ui_node in layout.ui_nodes.items():
+        if ui_node.class_type != PRIMITIVE_TYPE:
+            node_inputs[ui_ids[key]] = dict(ui_node.inputs)
+            class_types[ui_ids[key]] = ui_node.class_type
     layouts: dict[int, _NodeLayout] = {}
-    for node_id in ids:
-        class_type = api[str(node_id)]["class_type"]
+    for node_id, class_type in class_types.items():
         if class_type not in object_info:
             raise KeyError(f"node {node_id}: {class_type} is not in /object_info")
-        layouts[node_id] = _NodeLayout(class_type, object_info[class_type], api[str(node_id)]["inputs"])
-
-    for node_id in ids:
-        layout_of = layouts[node_id]
-        unknown = set(api[str(node_id)]["inputs"]) - set(layout_of.specs)
+        layouts[node_id] = _NodeLayout(class_type, object_info[class_type], node_inputs[node_id])
+        unknown = set(node_inputs[node_id]) - set(layouts[node_id].specs)
         if unknown:
-            raise KeyError(f"node {node_id} ({layout_of.class_type}): unknown inputs {sorted(unknown)}")
+            raise KeyError(f"node {node_id} ({class_type}): unknown inputs {sorted(unknown)}")
 
-    # Links, numbered by target node then target slot.
-    links: list[list] = []
-    input_links: dict[tuple[int, str], int] = {}
-    output_links: dict[tuple[int, int], list[int]] = {}
+    # Links: the API graph's, numbered by target node then target slot, then the graph-editor-only nodes'.
+    links: list[_Link] = []
     for target in ids:
         layout_of = layouts[target]
-        inputs = api[str(target)]["inputs"]
         for name in layout_of.slot_index:
-            value = inputs.get(name)
+            value = node_inputs[target].get(name)
             if not _is_link(value):
                 continue
             origin, origin_slot = int(value[0]), value[1]
@@ -460,25 +595,80 @@ def api_to_ui(api: dict, object_info: dict, layout: UiLayout) -> dict:
             origin_types = layouts[origin].output_types
             if origin_slot >= len(origin_types):
                 raise IndexError(f"node {target}.{name} links to output {origin_slot} of node {origin}")
-            link_id = len(links) + 1
-            links.append([link_id, origin, origin_slot, target, layout_of.slot_index[name], origin_types[origin_slot]])
-            input_links[(target, name)] = link_id
-            output_links.setdefault((origin, origin_slot), []).append(link_id)
+            links.append(
+                _Link(
+                    len(links) + 1,
+                    origin,
+                    origin_slot,
+                    target,
+                    layout_of.slot_index[name],
+                    origin_types[origin_slot],
+                    name,
+                )
+            )
+    for key, ui_node in layout.ui_nodes.items():
+        for target_id, name in ui_node.targets:
+            target = int(target_id)
+            if name not in layouts[target].slot_index:
+                raise KeyError(f"{key} feeds {class_types[target]}.{name}, which has no such input")
+            value_type = "INT" if ui_node.class_type == PRIMITIVE_TYPE else layouts[ui_ids[key]].output_types[0]
+            links.append(
+                _Link(len(links) + 1, ui_ids[key], 0, target, layouts[target].slot_index[name], value_type, name)
+            )
+    input_links = {(link.target, link.target_input): link.id for link in links}
+    output_links: dict[tuple[int, int], list[int]] = {}
+    for link in links:
+        output_links.setdefault((link.origin, link.origin_slot), []).append(link.id)
 
-    note_id = max(ids, default=0) + 1
-    order = _execution_order([*ids, note_id], links)
+    all_ids = [*ids, note_id, *ui_ids.values()]
+    order = _execution_order(
+        all_ids, [[lk.id, lk.origin, lk.origin_slot, lk.target, lk.target_slot, lk.type] for lk in links]
+    )
     # Outputs up to the last linked one (see _NodeLayout).
-    shown_outputs = {i: 1 + max((slot for (node, slot) in output_links if node == i), default=-1) for i in ids}
-    sizes = {i: layouts[i].size(shown_outputs[i]) for i in ids}
-    note_size = [NOTE_WIDTH, _note_height(layout.note)]
-    positions, boxes, note_box = _page_layout(layout, ids, sizes, note_size)
+    shown_outputs = {i: 1 + max((slot for (node, slot) in output_links if node == i), default=-1) for i in layouts}
+    sizes = {i: layouts[i].size(shown_outputs[i]) for i in layouts}
+    for key, ui_node in layout.ui_nodes.items():
+        if ui_node.class_type == PRIMITIVE_TYPE:
+            sizes[ui_ids[key]] = list(PRIMITIVE_SIZE)
+    # Room below the nodes that grow in a run: the sampler's live preview, the saved video's player.
+    room = {i: RUN_PREVIEW_HEIGHT[c] for i, c in class_types.items() if c in RUN_PREVIEW_HEIGHT}
+    placement: dict[int, tuple[str, int]] = {}
+    for key, at in layout.placement.items():
+        placement[ui_ids[key] if key in ui_ids else int(key)] = at
+    positions, boxes, note_box, note_size = _page_layout(layout, placement, sizes, room)
+
+    # Links around nodes and group titles, through reroutes where a direct curve would cross one.
+    obstacles = {f"node {i}": node_box(positions[i], sizes[i]) for i in positions}
+    obstacles |= {
+        f"room {i}": Box(positions[i][0], positions[i][1] + sizes[i][1], sizes[i][0], extra)
+        for i, extra in room.items()
+    }
+    obstacles["note"] = note_box
+    obstacles |= {f"title {key}": group_title_box(box) for key, box in boxes.items()}
+    page = [*boxes.values(), note_box]
+    bounds = Box(
+        min(b.x for b in page) - ROUTE_MARGIN,
+        min(b.y for b in page) - ROUTE_MARGIN,
+        max(b.x + b.w for b in page) - min(b.x for b in page) + 2 * ROUTE_MARGIN,
+        max(b.y + b.h for b in page) - min(b.y for b in page) + 2 * ROUTE_MARGIN,
+    )
+    corners, unrouted = route_links(links, positions, sizes, layouts, shown_outputs, obstacles, bounds)
+    if unrouted:
+        raise ValueError(f"no clean path for {', '.join(unrouted)}")
 
     nodes = []
-    for node_id in ids:
-        api_node = api[str(node_id)]
+    for node_id in ids + [ui_ids[k] for k in layout.ui_nodes]:
+        key = next((k for k, v in ui_ids.items() if v == node_id), None)
+        ui_node = layout.ui_nodes.get(key) if key else None
+        if ui_node is not None and ui_node.class_type == PRIMITIVE_TYPE:
+            primitive = _primitive_node(node_id, key, ui_node, positions[node_id], output_links.get((node_id, 0), []))
+            primitive["order"] = order.index(node_id)
+            nodes.append(primitive)
+            continue
         layout_of = layouts[node_id]
+        inputs_of = node_inputs[node_id]
         node: dict = {"id": node_id, "type": layout_of.class_type}
-        title = api_node.get("_meta", {}).get("title")
+        title = ui_node.title if ui_node else api[str(node_id)].get("_meta", {}).get("title")
         if title:
             node["title"] = title
         inputs = []
@@ -500,20 +690,24 @@ def api_to_ui(api: dict, object_info: dict, layout: UiLayout) -> dict:
             for slot, (name, out_type) in enumerate(zip(layout_of.output_names, layout_of.output_types, strict=True))
             if slot < shown_outputs[node_id]
         ]
+        properties: dict = {"Node name for S&R": layout_of.class_type}
+        models = layout.models.get(str(node_id))
+        if models:
+            properties["models"] = [_model_entry(file) for file in models]
         node.update(
             pos=[_num(v) for v in positions[node_id]],
-            size=sizes[node_id],
+            size=[_num(v) for v in sizes[node_id]],
             flags={},
             order=order.index(node_id),
-            mode=0,
+            mode=MUTED_MODE if ui_node is not None and ui_node.muted else 0,
             inputs=inputs,
             outputs=outputs,
-            properties={"Node name for S&R": layout_of.class_type},
-            widgets_values=layout_of.widgets_values(api_node["inputs"]),
+            properties=properties,
+            widgets_values=layout_of.widgets_values(inputs_of),
         )
         if layout_of.widget_inputs or layout_of.upload:
             # What 1.49 saves and restores by name; 1.32 reads only widgets_values.
-            node["widgets_values_named"] = layout_of.widgets_values_named(api_node["inputs"])
+            node["widgets_values_named"] = layout_of.widgets_values_named(inputs_of)
         nodes.append(node)
     nodes.append(
         {
@@ -534,6 +728,7 @@ def api_to_ui(api: dict, object_info: dict, layout: UiLayout) -> dict:
             "bgcolor": NOTE_BGCOLOR,
         }
     )
+    nodes.sort(key=lambda n: n["id"])
     groups = [
         {
             "id": index,
@@ -545,16 +740,40 @@ def api_to_ui(api: dict, object_info: dict, layout: UiLayout) -> dict:
         }
         for index, key in enumerate(layout.groups, start=1)
     ]
-    return {
-        "last_node_id": note_id,
+    reroutes, extensions = [], []
+    for link_id in sorted(corners):
+        parent = None
+        for point in corners[link_id]:
+            reroute = {"id": len(reroutes) + 1}
+            if parent is not None:
+                reroute["parentId"] = parent
+            reroute |= {"pos": [_num(round(v, 1)) for v in point], "linkIds": [link_id]}
+            reroutes.append(reroute)
+            parent = reroute["id"]
+        extensions.append({"id": link_id, "parentId": parent})
+    # The saved view keeps the nodes, the note and the group titles out of the editors' panels; a group's empty
+    # bottom (the room for previews) may go under the minimap.
+    seen = [node_box(positions[i], sizes[i]) for i in positions] + [note_box]
+    seen += [group_title_box(box) for box in boxes.values()]
+    extra: dict = {"ds": _saved_view(seen)}
+    if reroutes:
+        extra |= {"reroutes": reroutes, "linkExtensions": extensions}
+    workflow = {
+        "last_node_id": max(all_ids),
         "last_link_id": len(links),
         "nodes": nodes,
-        "links": links,
+        "links": [[lk.id, lk.origin, lk.origin_slot, lk.target, lk.target_slot, lk.type] for lk in links],
         "groups": groups,
         "config": {},
-        "extra": {"ds": _saved_view([*boxes.values(), note_box])},
+        "extra": extra,
         "version": 0.4,
     }
+    files = {file.name: file for models in layout.models.values() for file in models}
+    if files:
+        # What the frontends' missing-models dialog offers to download (1.32 reads this list; both read the
+        # per-node lists above, for the files the node's widgets pick).
+        workflow["models"] = [_model_entry(files[name]) for name in sorted(files)]
+    return workflow
 
 
 def build_ui_workflow(task: str, object_info: dict) -> dict:
@@ -634,15 +853,16 @@ def write_thumbnails() -> list[Path]:
     written = []
     with tempfile.TemporaryDirectory(prefix="wanvace-thumbnails-") as tmp:
         tmp = Path(tmp)
-        # Empty stand-ins under the file names the single-file workflows pick, so the graph editor shows their
-        # loaders as a user with the files sees them (frontend 1.49 outlines a loader whose model file is missing).
-        folders = {"high_noise_model": "diffusion_models", "low_noise_model": "diffusion_models"}
-        folders |= {"text_encoder": "text_encoders", "vae": "vae"}
-        for files in SINGLE_FILES.values():
-            for input_name, file_name in files.items():
-                stand_in = tmp / "base" / "models" / folders[input_name] / file_name
-                stand_in.parent.mkdir(parents=True, exist_ok=True)
-                stand_in.touch()
+        # Stand-ins under the names the workflows pick (every model file, the LoRAs, the diffusers folder), so the
+        # graph editor shows the workflows as a user with the files sees them: frontend 1.49 outlines a node whose
+        # file is missing in red, 1.32 opens its missing-models dialog.
+        for file in MODEL_FILES.values():
+            stand_in = tmp / "base" / "models" / file.directory / file.name
+            stand_in.parent.mkdir(parents=True, exist_ok=True)
+            stand_in.touch()
+        folder = tmp / "base" / "models" / "diffusers" / REAL_MODEL
+        folder.mkdir(parents=True)
+        (folder / "model_index.json").write_text(json.dumps({"_class_name": "WanVACEPipeline"}))
         server = _start_server(tmp / "base")
         previous = os.environ.get("CHECK_WORKFLOWS_THUMBNAILS")
         os.environ["CHECK_WORKFLOWS_THUMBNAILS"] = str(tmp / "png")

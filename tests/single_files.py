@@ -714,9 +714,8 @@ def comfy_file_names(expert: str) -> dict[str, str | tuple[str, str]]:
     """The real file names per format for expert "high" or "low" (`split`: (T2V base, VACE module)).
 
     Comfy-Org's repackaged names; "fp8mixed" follows Comfy-Org's newer mixed-precision naming; Kijai's
-    VACE module names; the GGUF names follow QuantStack's city96-made Wan2.2 GGUF releases.
+    VACE module names; the GGUF names are QuantStack's (Wan2.2-VACE-Fun-A14B-GGUF: HighNoise/...-high-noise-Q8_0.gguf).
     """
-    noise = {"high": "HighNoise", "low": "LowNoise"}[expert]
     return {
         "bf16": f"wan2.2_fun_vace_{expert}_noise_14B_bf16.safetensors",
         "fp8_scaled": f"wan2.2_fun_vace_{expert}_noise_14B_fp8_scaled.safetensors",
@@ -725,8 +724,8 @@ def comfy_file_names(expert: str) -> dict[str, str | tuple[str, str]]:
             f"wan2.2_t2v_{expert}_noise_14B_fp16.safetensors",
             f"Wan2_2_Fun_VACE_module_A14B_{expert.upper()}_bf16.safetensors",
         ),
-        "Q8_0": f"Wan2.2-VACE-Fun-A14B-{noise}-Q8_0.gguf",
-        "Q6_K": f"Wan2.2-VACE-Fun-A14B-{noise}-Q6_K.gguf",
+        "Q8_0": f"Wan2.2-VACE-Fun-A14B-{expert}-noise-Q8_0.gguf",
+        "Q6_K": f"Wan2.2-VACE-Fun-A14B-{expert}-noise-Q6_K.gguf",
     }
 
 

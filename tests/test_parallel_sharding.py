@@ -538,7 +538,7 @@ def test_broken_files_and_misuse_are_refused(rank_pools, tiny_folder, broken_fol
         "foreign_tensor": r"foreign_high\.safetensors holds tensor 'blocks\.0\.self_attn\.extra\.weight', which "
         r"WanVACETransformer3DModel does not have",
         "gguf_kept": r"WanVACEInputError: weight_dtype='auto' keeps the Q8_0 GGUF blocks of high_noise_model "
-        r"\(Wan2\.2-VACE-Fun-A14B-HighNoise-Q8_0\.gguf\) as stored, which FSDP cannot shard.*Use weight_dtype bf16 "
+        r"\(Wan2\.2-VACE-Fun-A14B-high-noise-Q8_0\.gguf\) as stored, which FSDP cannot shard.*Use weight_dtype bf16 "
         r"with sharding",
         "real_weights": r"shard_expert needs an expert built on the meta device, but '.+' \(and \d+ more\) holds real",
         "wrong_device": r"device=cuda:0 does not match the shard mesh's device type 'cpu'",

@@ -1,19 +1,26 @@
 """The shipped workflows, one per VACE task, as API-format graphs built from this package's nodes and core nodes.
 
 `scripts/make_workflows.py` writes these to `example_workflows/api/wanvace_<name>.json` (API format)
-and `example_workflows/<title>.json` (the graph editor's UI format, with the layout hints, groups and note
-kept here). `for_tiny_model` shrinks a workflow to the tiny test model so it runs in seconds on a CPU.
+and `example_workflows/<title>.json` (the graph editor's UI format, with the layout hints, groups, note,
+graph-editor-only nodes and model download metadata kept here). `for_tiny_model` shrinks a workflow to the
+tiny test model so it runs in seconds on a CPU.
+
+Width, height and length are set once per workflow in the graph editor: three of the frontend's primitive nodes
+(group "Video size") feed every node input that takes them. The frontend resolves a primitive into the value of
+each input it feeds when it queues the prompt, so the API twins carry them as plain constants on those nodes, which
+is what ComfyUI's queue-time validation sees.
 """
 
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 REAL_MODEL = "Wan2.2-VACE-Fun-A14B-Diffusers"
 TINY_MODEL = "wanvace-tiny"
 WIDTH, HEIGHT, LENGTH, STEPS = 832, 480, 81, 20
-OUTPAINT_INNER_WIDTH, OUTPAINT_PAD = 576, 128
+OUTPAINT_PAD = 128
 EXTENSION_GIVEN_FRAMES = 17
 # The long-video variants: 241 frames (15 s at 16 fps) as 81-frame context windows overlapping 16 frames.
 LONG_LENGTH = 241
@@ -26,7 +33,7 @@ CONTEXT_WINDOWS = {
     "fuse_method": "pyramid",
     "freenoise": True,
 }
-GREY, WHITE = 0x808080, 0xFFFFFF
+WHITE = 0xFFFFFF
 NEGATIVE = "blurry, low quality, static, overexposed, jpeg artifacts, deformed, extra fingers, watermark, subtitles"
 
 TASK_PROMPTS = {
@@ -59,8 +66,81 @@ WORKFLOWS = (
     "v2v" + LONG_VARIANT,
     "extension" + LONG_VARIANT,
 )
-# The files each single-file variant names (Comfy-Org's repackaged fp8 experts, umt5 and VAE; city96-style
-# GGUF experts as QuantStack publishes them). The integration suite writes tiny files under these names.
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    """A file a workflow picks, where ComfyUI's missing-models dialog downloads it from and to, and its size."""
+
+    name: str
+    url: str
+    directory: str
+    gigabytes: float  # decimal GB, as download pages give them
+
+
+_COMFY_WAN22 = "https://huggingface.co/Comfy-Org/Wan_2.2_ComfyUI_Repackaged/resolve/main/split_files"
+_COMFY_WAN21 = "https://huggingface.co/Comfy-Org/Wan_2.1_ComfyUI_repackaged/resolve/main/split_files"
+_QUANTSTACK_REPO = "https://huggingface.co/QuantStack/Wan2.2-VACE-Fun-A14B-GGUF"
+_QUANTSTACK = f"{_QUANTSTACK_REPO}/resolve/main"
+# Sizes: Comfy-Org's files as Hugging Face lists them (umt5 6,735,906,897 and VAE 253,815,318 bytes; each fp8
+# expert ~17.3 GB); the GGUF and LoRA files from their tensor shapes (17.3B parameters at Q8_0's 8.5 bits; rank 64
+# bf16 pairs on every linear of an expert ~0.6 GB, rank 32 fp16 ~0.3 GB).
+MODEL_FILES = {
+    file.name: file
+    for file in (
+        ModelFile(
+            "wan2.2_fun_vace_high_noise_14B_fp8_scaled.safetensors",
+            f"{_COMFY_WAN22}/diffusion_models/wan2.2_fun_vace_high_noise_14B_fp8_scaled.safetensors",
+            "diffusion_models",
+            17.3,
+        ),
+        ModelFile(
+            "wan2.2_fun_vace_low_noise_14B_fp8_scaled.safetensors",
+            f"{_COMFY_WAN22}/diffusion_models/wan2.2_fun_vace_low_noise_14B_fp8_scaled.safetensors",
+            "diffusion_models",
+            17.3,
+        ),
+        ModelFile(
+            "Wan2.2-VACE-Fun-A14B-high-noise-Q8_0.gguf",
+            f"{_QUANTSTACK}/HighNoise/Wan2.2-VACE-Fun-A14B-high-noise-Q8_0.gguf",
+            "diffusion_models",
+            18.4,
+        ),
+        ModelFile(
+            "Wan2.2-VACE-Fun-A14B-low-noise-Q8_0.gguf",
+            f"{_QUANTSTACK}/LowNoise/Wan2.2-VACE-Fun-A14B-low-noise-Q8_0.gguf",
+            "diffusion_models",
+            18.4,
+        ),
+        ModelFile(
+            "umt5_xxl_fp8_e4m3fn_scaled.safetensors",
+            f"{_COMFY_WAN21}/text_encoders/umt5_xxl_fp8_e4m3fn_scaled.safetensors",
+            "text_encoders",
+            6.7,
+        ),
+        ModelFile("wan_2.1_vae.safetensors", f"{_COMFY_WAN21}/vae/wan_2.1_vae.safetensors", "vae", 0.25),
+        ModelFile(
+            "wan2.2_t2v_lightx2v_4steps_lora_v1.1_high_noise.safetensors",
+            f"{_COMFY_WAN22}/loras/wan2.2_t2v_lightx2v_4steps_lora_v1.1_high_noise.safetensors",
+            "loras",
+            0.6,
+        ),
+        ModelFile(
+            "wan2.2_t2v_lightx2v_4steps_lora_v1.1_low_noise.safetensors",
+            f"{_COMFY_WAN22}/loras/wan2.2_t2v_lightx2v_4steps_lora_v1.1_low_noise.safetensors",
+            "loras",
+            0.6,
+        ),
+        ModelFile(
+            "Wan21_T2V_14B_MoviiGen_lora_rank32_fp16.safetensors",
+            "https://huggingface.co/Kijai/WanVideo_comfy/resolve/main/Wan21_T2V_14B_MoviiGen_lora_rank32_fp16.safetensors",
+            "loras",
+            0.3,
+        ),
+    )
+}
+# The files each single-file variant names (Comfy-Org's repackaged fp8 experts, umt5 and VAE; QuantStack's GGUF
+# experts). The integration suite writes tiny files under these names.
 SINGLE_FILES = {
     FP8_VARIANT: {
         "high_noise_model": "wan2.2_fun_vace_high_noise_14B_fp8_scaled.safetensors",
@@ -69,12 +149,17 @@ SINGLE_FILES = {
         "vae": "wan_2.1_vae.safetensors",
     },
     GGUF_VARIANT: {
-        "high_noise_model": "Wan2.2-VACE-Fun-A14B-HighNoise-Q8_0.gguf",
-        "low_noise_model": "Wan2.2-VACE-Fun-A14B-LowNoise-Q8_0.gguf",
+        "high_noise_model": "Wan2.2-VACE-Fun-A14B-high-noise-Q8_0.gguf",
+        "low_noise_model": "Wan2.2-VACE-Fun-A14B-low-noise-Q8_0.gguf",
         "text_encoder": "umt5_xxl_fp8_e4m3fn_scaled.safetensors",
         "vae": "wan_2.1_vae.safetensors",
     },
 }
+# The diffusers folder the other workflows pick: bf16 experts of ~17.3B parameters (34.6 GB each), the umt5-xxl
+# encoder (11.4 GB) and the VAE. A folder is no single download, so ComfyUI's missing-models dialog cannot fetch it.
+MODEL_REPO = "Pyros13/Wan2.2-VACE-Fun-A14B-Diffusers"
+MODEL_URL = f"https://huggingface.co/{MODEL_REPO}"
+FOLDER_GIGABYTES = 2 * 34.6 + 11.4 + 0.5
 
 
 @dataclass(frozen=True)
@@ -88,8 +173,9 @@ class LoraUse:
 
 
 # The LoRA files each LoRA variant names. Lightning: lightx2v's Wan2.2-T2V-A14B 4-step LoRA (v1.1) as Comfy-Org
-# repackages it, one file per expert (VACE-Fun A14B is built on the T2V experts). The style LoRA stands for the
-# user's own. The integration suite writes tiny LoRA files under these names.
+# repackages it, one file per expert (VACE-Fun A14B is built on the T2V experts). The style LoRA: Kijai's extract of
+# MoviiGen 1.1 (a cinematic-look fine-tune of Wan2.1-T2V-14B), standing for the user's own. The integration suite
+# writes tiny LoRA files under these names.
 LORA_FILES = {
     LIGHTNING_VARIANT: (
         LoraUse(
@@ -102,7 +188,9 @@ LORA_FILES = {
             "LoRA: Lightning 4-step (low noise)", "wan2.2_t2v_lightx2v_4steps_lora_v1.1_low_noise.safetensors", 0.0, 1.0
         ),
     ),
-    STYLE_LORA_VARIANT: (LoraUse("LoRA: your style", "wan_style_lora.safetensors", 0.8, 0.8),),
+    STYLE_LORA_VARIANT: (
+        LoraUse("LoRA: your style (here MoviiGen)", "Wan21_T2V_14B_MoviiGen_lora_rank32_fp16.safetensors", 0.8, 0.8),
+    ),
 }
 # The VAE passes tile only when the untiled peak would not fit the free device memory.
 VAE_TILING = {"tiled": "auto", "tile_size": 256, "tile_overlap": 64}
@@ -126,24 +214,32 @@ def loader_class(name: str) -> str:
     return "WanVACEExpertsLoader" if variant_of(name) in SINGLE_FILES else "WanVACEModelLoader"
 
 
-# What the template browser shows: ComfyUI's frontend (1.32 and 1.49) titles a custom node pack's
-# template with its file name, so the UI files are named `<title>.json` (thumbnail `<title>.jpg`).
+def length_of(name: str) -> int:
+    return LONG_LENGTH if name.endswith(LONG_VARIANT) else LENGTH
+
+
+# What the template browser shows. ComfyUI's frontends (1.32 and 1.49, read from their code and checked in the
+# browser) take a custom node pack's templates from `/api/workflow_templates`, a list of file names per pack, and
+# show each file name as the card's title (1.32 also as its description; 1.49 shows no description) with
+# `<name>.jpg` as thumbnail. So the name is all a user reads before opening one: it says the task, fits the card,
+# and starts with the template's place, which orders the list (the pack sorts its entry of that list by name,
+# nodes/examples.py, and the frontends' "A-Z" sort gives the same order).
 WORKFLOW_TITLES = {
-    "t2v": "WanVACE - Text to Video",
-    "i2v": "WanVACE - Image to Video",
-    "flf2v": "WanVACE - First and Last Frame",
-    "r2v": "WanVACE - Reference to Video",
-    "v2v": "WanVACE - Control Video",
-    "inpaint": "WanVACE - Inpaint Video",
-    "outpaint": "WanVACE - Outpaint Video",
-    "extension": "WanVACE - Extend Video",
-    "v2v" + CACHE_VARIANT: "WanVACE - Cached Control Video",
-    "i2v" + FP8_VARIANT: "WanVACE - Image to Video (fp8 single files)",
-    "t2v" + GGUF_VARIANT: "WanVACE - Text to Video (GGUF, low VRAM)",
-    "t2v" + LIGHTNING_VARIANT: "WanVACE - Text to Video (Lightning 4-step LoRA)",
-    "v2v" + STYLE_LORA_VARIANT: "WanVACE - Control Video with a style LoRA",
-    "v2v" + LONG_VARIANT: "WanVACE - Long Control Video (context windows)",
-    "extension" + LONG_VARIANT: "WanVACE - Long Extension (context windows)",
+    "t2v": "01 Text to Video",
+    "i2v": "02 Image to Video",
+    "flf2v": "03 First and Last Frame",
+    "r2v": "04 Reference to Video",
+    "v2v": "05 Control Video",
+    "inpaint": "06 Inpaint Video",
+    "outpaint": "07 Outpaint Video",
+    "extension": "08 Extend Video",
+    "t2v" + GGUF_VARIANT: "09 Text to Video, GGUF",
+    "t2v" + LIGHTNING_VARIANT: "10 Text to Video in 4 steps",
+    "i2v" + FP8_VARIANT: "11 Image to Video, fp8 files",
+    "v2v" + CACHE_VARIANT: "12 Control Video, step cache",
+    "v2v" + STYLE_LORA_VARIANT: "13 Control Video, style LoRA",
+    "v2v" + LONG_VARIANT: "14 Long Control Video",
+    "extension" + LONG_VARIANT: "15 Long Extension",
 }
 # The example input files each workflow names (shipped in example_inputs/).
 EXAMPLE_INPUTS = {
@@ -155,15 +251,15 @@ EXAMPLE_INPUTS = {
     "control": "wanvace_example_control.mp4",
     "source": "wanvace_example_source.mp4",
 }
-MODEL_URL = "https://huggingface.co/Pyros13/Wan2.2-VACE-Fun-A14B-Diffusers"
+EXAMPLE_VIDEO_FRAMES = 81  # scripts/make_example_inputs.py
 
 # Group colors of LiteGraph's palette (LGraphCanvas.node_colors[...].groupcolor).
 GROUP_COLORS = {
+    "size": "#b06634",
+    "offload": "#444",
     "model": "#3f789e",
     "inputs": "#8A8",
-    "masks": "#8AA",
-    "cache": "#3f789e",
-    "windows": "#3f789e",
+    "options": "#3f789e",
     "lora": "#3f789e",
     "prompt": "#b58b2a",
     "sampling": "#88A",
@@ -173,16 +269,33 @@ GROUP_COLORS = {
 # Widget values that scale with the video size, and what they become for the tiny model.
 _TINY_VALUES = {
     "model_name": {REAL_MODEL: TINY_MODEL},
-    "width": {WIDTH: 64, OUTPAINT_INNER_WIDTH: 32},
+    "width": {WIDTH: 64},
     "height": {HEIGHT: 48},
     "length": {LENGTH: 9, EXTENSION_GIVEN_FRAMES: 5, LONG_LENGTH: 33},
     "context_length": {CONTEXT_WINDOWS["context_length"]: 17},
     "context_overlap": {CONTEXT_WINDOWS["context_overlap"]: 8},
-    "batch_size": {LENGTH - 2: 7},
     "steps": {STEPS: 4},
     "left": {OUTPAINT_PAD: 16},
     "right": {OUTPAINT_PAD: 16},
 }
+
+
+@dataclass(frozen=True)
+class UiNode:
+    """A node that exists only in the graph editor's file, not in the API twin.
+
+    `PrimitiveNode` (the frontend's primitive, `value` set into every input it feeds when the prompt is queued), or
+    a node of this package kept muted (mode 2, "never": the frontend leaves it and its links out of the prompt) for
+    the user to switch on.
+    """
+
+    class_type: str
+    title: str
+    # (API node id, input name) of every input it feeds.
+    targets: tuple[tuple[str, str], ...]
+    value: int | None = None
+    inputs: dict = field(default_factory=dict)
+    muted: bool = False
 
 
 @dataclass
@@ -191,18 +304,25 @@ class UiLayout:
 
     # group key -> title, in drawing order.
     groups: dict[str, str] = field(default_factory=dict)
-    # node id -> (group key, column inside the group); nodes of a column stack in id order.
+    # node id (API id, or a key of ui_nodes) -> (group key, column inside the group); a column's nodes stack in
+    # the order they were added.
     placement: dict[str, tuple[str, int]] = field(default_factory=dict)
-    # Page columns, left to right; each a list of rows, top to bottom; each row a list of group keys
-    # side by side. "note" is the Markdown note.
+    # Page columns, left to right; each a list of rows, top to bottom; each row a list of group keys side by
+    # side. "note" is the Markdown note.
     page: list[list[list[str]]] = field(default_factory=list)
+    # Groups side by side in a row above the page columns from the given one on, starting at its left edge.
+    above: tuple[int, list[str]] = (0, [])
     note: str = ""
+    ui_nodes: dict[str, UiNode] = field(default_factory=dict)
+    # API node id -> the model files its widgets pick (ComfyUI's `properties.models`).
+    models: dict[str, tuple[ModelFile, ...]] = field(default_factory=dict)
 
 
 class _Graph:
     def __init__(self) -> None:
         self.nodes: dict[str, dict] = {}
         self.layout = UiLayout()
+        self.sized: dict[str, list[tuple[str, str]]] = {"width": [], "height": [], "length": []}
 
     def add(self, class_type: str, title: str | None = None, *, at: tuple[str, int], **inputs) -> str:
         node_id = str(len(self.nodes) + 1)
@@ -213,97 +333,185 @@ class _Graph:
         self.layout.placement[node_id] = at
         return node_id
 
+    def size_inputs(self, node_id: str, *names: str) -> None:
+        """Feed these inputs of node_id from the workflow's one width / height / length."""
+        for name in names:
+            self.sized[name].append((node_id, name))
+
 
 def _out(node_id: str, slot: int = 0) -> list:
     return [node_id, slot]
 
 
-def _scaled_image(
-    graph: _Graph, file: str, title: str, group: str, column: int, scale_column: int | None = None
-) -> str:
-    """LoadImage, then ImageScale to the video size one column on (or in `scale_column`)."""
-    loaded = graph.add("LoadImage", title, image=file, at=(group, column))
-    return graph.add(
-        "ImageScale",
-        image=_out(loaded),
-        upscale_method="lanczos",
+def _control_video(graph: _Graph, source: dict, column: int, length: int, use: str = "control", **masks) -> str:
+    """WanVACE Control Video: the frames of `source` (video= or images=) fitted to the video size, cut to its length."""
+    node = graph.add(
+        "WanVACEControlVideo",
+        **source,
         width=WIDTH,
         height=HEIGHT,
-        crop="center",
-        at=(group, column + 1 if scale_column is None else scale_column),
+        length=length,
+        use=use,
+        **masks,
+        at=("inputs", column),
     )
+    graph.size_inputs(node, "width", "height", "length")
+    return node
 
 
-def _video_frames(graph: _Graph, file: str, title: str, frames: int = LENGTH, width: int = WIDTH) -> str:
-    video = graph.add("LoadVideo", title, file=file, at=("inputs", 0))
-    components = graph.add("GetVideoComponents", video=_out(video), at=("inputs", 1))
-    trimmed = graph.add("ImageFromBatch", image=_out(components), batch_index=0, length=frames, at=("inputs", 1))
-    return graph.add(
-        "ImageScale",
-        image=_out(trimmed),
-        upscale_method="lanczos",
-        width=width,
-        height=HEIGHT,
-        crop="center",
-        at=("inputs", 2),
+# --- notes ---------------------------------------------------------------------------------------------------
+
+
+def _gb(value: float) -> str:
+    return f"{value:.0f} GB" if value >= 10 else f"{value:.1f} GB"
+
+
+def _activation_gb(width: int, height: int, frames: int) -> float:
+    """The sampler's activation estimate (wanvace_core/generation/budget.py, what ComfyUI is told) for A14B, bf16."""
+    import torch
+
+    from wanvace_core.generation.budget import sampling_activation_bytes
+
+    # Wan2.2-VACE-Fun-A14B's expert: 40 heads of 128, FFN 13824, patch (1, 2, 2), and the VAE's 8x spatial and
+    # 4x temporal compression.
+    config = SimpleNamespace(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, ffn_dim=13824)
+    model = SimpleNamespace(
+        reference_expert=SimpleNamespace(config=config),
+        helper=SimpleNamespace(vae_scale_factor_spatial=8),
+        transformer_dtype=torch.bfloat16,
     )
+    return sampling_activation_bytes(model, (frames - 1) // 4 + 1, height, width) / 1e9
 
 
-def _keep_mask(graph: _Graph, group: str, column: int) -> str:
-    """A single all-zero mask: keep every given pixel."""
-    return graph.add("SolidMask", "keep given frames", value=0.0, width=WIDTH, height=HEIGHT, at=(group, column))
+@dataclass(frozen=True)
+class _Weights:
+    """GB on the GPU per part of the model, as the loader keeps them."""
+
+    expert: float
+    text_encoder: float
+    vae: float
+
+    def figures(self, activations: float) -> dict[str, float]:
+        """GPU memory per offload mode (wanvace_core/runtime/offload.py): everything resident; one component at a
+        time (an expert and the activations, or the text encoder); like `model` for the text encoder and VAE with
+        the experts' blocks streamed (two of an expert's 40 blocks at prefetch 1, its non-block weights, well under
+        a GB, and the activations)."""
+        streamed = 2 * self.expert / 40 + 0.5 + activations
+        return {
+            "none": 2 * self.expert + self.text_encoder + self.vae + activations,
+            "model": max(self.expert + activations, self.text_encoder),
+            "layerwise": max(streamed, self.text_encoder),
+        }
 
 
-def _note(name: str) -> str:
-    """The Markdown note of a workflow: where the model goes, what to replace, what comes out."""
+# bf16 experts (34.6 GB) and umt5 (11.4 GB); fp8 experts kept as stored (weight_dtype auto) at half of that, Q8_0 at
+# 0.53x; the single-file text encoder is dequantised to bf16 at load.
+_WEIGHTS = {
+    "folder": _Weights(34.6, 11.4, 0.5),
+    FP8_VARIANT: _Weights(17.3, 11.4, 0.25),
+    GGUF_VARIANT: _Weights(18.4, 11.4, 0.25),
+}
+
+
+def _memory_lines(name: str) -> list[str]:
+    variant = variant_of(name)
+    activations = _activation_gb(WIDTH, HEIGHT, LENGTH)  # a context window is one 81-frame call too
+    memory = _WEIGHTS.get(variant, _WEIGHTS["folder"]).figures(activations)
+    estimate = (
+        f"**GPU memory** (estimated for {WIDTH}x{HEIGHT}, {LENGTH} frames"
+        + (" per window" if name.endswith(LONG_VARIANT) else "")
+        + f": weights plus {_gb(activations)} of activations): "
+    )
+    if variant == GGUF_VARIANT:
+        return [
+            estimate
+            + f"~{_gb(memory['layerwise'])} with the layerwise **WanVACE Offload Options** shown, which streams "
+            f"the quantised blocks to the GPU one by one; disconnect it when {_gb(memory['none'])} fit "
+            f"(`model`: ~{_gb(memory['model'])}).",
+        ]
+    return [
+        estimate + f"~{_gb(memory['none'])} with everything on the GPU. On a smaller GPU switch on the muted "
+        "**WanVACE Offload Options** beside the loader (select it, Ctrl+M): "
+        f"`model` ~{_gb(memory['model'])}, `layerwise` ~{_gb(memory['layerwise'])} (the text encoder's turn).",
+    ]
+
+
+def _model_lines(name: str) -> list[str]:
+    files = SINGLE_FILES.get(variant_of(name))
+    if files is None:
+        return [
+            f"**1. Model** (~{_gb(FOLDER_GIGABYTES)}): the diffusers folder [{REAL_MODEL}]({MODEL_URL}) in "
+            f"`ComfyUI/models/diffusers/{REAL_MODEL}/` (`model_index.json`, `transformer/`, `transformer_2/`, "
+            "`text_encoder/`, `tokenizer/`, `vae/`, `scheduler/`), e.g. "
+            f"`hf download {MODEL_REPO} --local-dir models/diffusers/{REAL_MODEL}`. ComfyUI's missing-models dialog "
+            "cannot fetch a folder. Then pick it in **WanVACE Model Loader** (a Wan2.1-VACE folder works too)."
+        ]
+    total = sum(MODEL_FILES[file].gigabytes for file in files.values())
+    if variant_of(name) == FP8_VARIANT:
+        offered = (
+            f"fp8, Comfy-Org's repackaged files, ~{_gb(total)}): ComfyUI's missing-models dialog offers each file with "
+            "a Download button"
+        )
+    else:
+        offered = (
+            f"GGUF Q8_0, ~{_gb(total)}): the experts from [QuantStack's repository]({_QUANTSTACK_REPO}) "
+            "(`HighNoise/`, `LowNoise/`); the missing-models dialog offers the text encoder and VAE"
+        )
+    return [
+        f"**1. Model** ({offered}. Put `{files['high_noise_model']}` and `{files['low_noise_model']}` in "
+        f"`ComfyUI/models/diffusion_models/`, `{files['text_encoder']}` in `models/text_encoders/` and "
+        f"`{files['vae']}` in `models/vae/`, and pick them in **WanVACE Experts Loader**; other quantisations and "
+        "bf16/fp16 experts work too."
+    ]
+
+
+def _input_lines(name: str) -> list[str]:
     task = task_of(name)
     ex = {key: f"`{file}`" for key, file in EXAMPLE_INPUTS.items()}
+    frames = EXAMPLE_VIDEO_FRAMES
     replace = {
         "i2v": f"**first frame** ({ex['first']}): your start image.",
         "flf2v": f"**first frame** ({ex['first']}) and **last frame** ({ex['last']}): your two images.",
         "r2v": f"**reference 1** ({ex['ref1']}) and **reference 2** ({ex['ref2']}): your subjects; "
         "chain another **Batch Images** for more.",
-        "v2v": f"**control video** ({ex['control']}, a pose video): your depth, pose or edge video.",
-        "inpaint": f"**source video** ({ex['source']}) and **inpaint mask** ({ex['mask']}, white = repaint).",
-        "outpaint": f"**source video** ({ex['source']}); **Pad Image for Outpainting** sets how far to extend.",
+        "v2v": f"**control video** ({ex['control']}, {frames} frames of a pose video): your depth, pose or edge video.",
+        "inpaint": f"**source video** ({ex['source']}, {frames} frames) and **inpaint mask** ({ex['mask']}, "
+        "white = repaint).",
+        "outpaint": f"**source video** ({ex['source']}, {frames} frames); **WanVACE Outpaint Canvas** sets how far "
+        "to extend each side.",
         "extension": f"**clip to extend** ({ex['source']}): its first {EXTENSION_GIVEN_FRAMES} frames are kept.",
     }
-    files = SINGLE_FILES.get(variant_of(name))
-    if files is None:
-        model = (
-            f"**1. Model:** put [{REAL_MODEL}]({MODEL_URL}) (safetensors) in "
-            f"`ComfyUI/models/diffusers/{REAL_MODEL}/` with its `model_index.json`, `transformer/`, "
-            "`transformer_2/`, `text_encoder/`, `tokenizer/`, `vae/` and `scheduler/`, then pick it in "
-            "**WanVACE Model Loader** (a Wan2.1-VACE diffusers folder works too)."
+    if task not in replace:
+        return []
+    lines = [
+        f"**2. Inputs:** replace the examples with yours: {replace[task]} They are small placeholders this pack "
+        "copies into `ComfyUI/input`."
+    ]
+    if name.endswith(LONG_VARIANT) and task != "extension":
+        lines[0] += (
+            f" The example clip covers frames 1-{frames} of {LONG_LENGTH}; the later ones get no control, "
+            f"so give a clip of at least {LONG_LENGTH} frames."
         )
-    else:
-        kind = "fp8, Comfy-Org's repackaged files" if variant_of(name) == FP8_VARIANT else "GGUF"
-        model = (
-            f"**1. Model ({kind}):** put `{files['high_noise_model']}` and `{files['low_noise_model']}` in "
-            f"`ComfyUI/models/diffusion_models/`, `{files['text_encoder']}` in `models/text_encoders/` and "
-            f"`{files['vae']}` in `models/vae/` (the files ComfyUI's own Wan templates use), then pick them in "
-            "**WanVACE Experts Loader**. bf16/fp16 experts, other GGUF quantisations (Q4_K_M, Q5_K_M, ...) and a "
-            "Wan2.2-T2V expert plus Kijai's VACE module work too; `weight_dtype` auto keeps fp8/GGUF weights "
-            "quantised in memory."
-        )
-    lines = [f"## {WORKFLOW_TITLES[name]}", "", model, ""]
-    if task in replace:
-        lines += [
-            f"**2. Inputs:** replace the example files with yours: {replace[task]} The examples are tiny "
-            "placeholders this pack copies into `ComfyUI/input`.",
-            "",
-            "**3. Prompt:** describe the video in **WanVACE Conditioning**, then Run.",
-        ]
+    return lines
+
+
+def _note(name: str) -> str:
+    """The Markdown note of a workflow: the model and its download, inputs, memory, what comes out."""
+    variant = variant_of(name)
+    length = length_of(name)
+    lines = [f"## {WORKFLOW_TITLES[name]}", "", *_model_lines(name), ""]
+    inputs = _input_lines(name)
+    if inputs:
+        lines += [*inputs, "", "**3. Prompt:** describe the video in **WanVACE Conditioning**, then Run."]
     else:
         lines += ["**2. Prompt:** describe the video in **WanVACE Conditioning**, then Run."]
-    if variant_of(name) == GGUF_VARIANT:
-        lines += [
-            "",
-            "**Offload:** **WanVACE Offload Options** (layerwise) streams the quantised blocks to the GPU one by one, "
-            "for 12-16 GB cards; disconnect it when the experts fit.",
-        ]
-    else:
-        lines += ["", "**Smaller GPU:** connect **WanVACE Offload Options** to the loader's `offload` input."]
+    lines += [
+        "",
+        "**Size:** width, height and length are set once, in **Video size**; every node that needs them follows "
+        "(width and height multiples of 16, length 4n+1).",
+        "",
+        *_memory_lines(name),
+    ]
     if name.endswith(CACHE_VARIANT):
         lines += ["", "**WanVACE Cache Options** skips steps with Cache-DiT: faster, slightly different."]
     if name.endswith(LONG_VARIANT):
@@ -311,27 +519,25 @@ def _note(name: str) -> str:
             "",
             f"**Long video:** {LONG_LENGTH} frames as {CONTEXT_WINDOWS['context_length']}-frame context windows "
             f"overlapping {CONTEXT_WINDOWS['context_overlap']} (**WanVACE Context Windows**): memory follows the "
-            "window, and each window gets its part of the control video and masks. Set the length in **WanVACE "
-            "Conditioning**; the example clip is short, so use one of at least that many frames.",
+            "window, and each window gets its part of the control video and masks.",
         ]
-    if variant_of(name) == LIGHTNING_VARIANT:
-        high, low = (lora.lora_name for lora in LORA_FILES[LIGHTNING_VARIANT])
+    if variant == LIGHTNING_VARIANT:
+        high, low = LORA_FILES[LIGHTNING_VARIANT]
         lines += [
             "",
-            f"**LoRA:** put lightx2v's Lightning 4-step LoRA files `{high}` and `{low}` in `ComfyUI/models/loras/`. "
-            "Each **WanVACE LoRA Loader** puts one file on its own expert (strength 1 there, 0 on the other); the "
-            "sampler then needs only 4 steps with cfg 1 (no negative pass), shift 5, euler: about 10x faster than "
-            "20 steps with cfg 5. Lower a strength to soften the distillation's look.",
+            f"**LoRA** (~{_gb(2 * MODEL_FILES[high.lora_name].gigabytes)}, offered by the missing-models dialog): "
+            f"lightx2v's Lightning 4-step files `{high.lora_name}` and `{low.lora_name}` in `ComfyUI/models/loras/`, "
+            "one per expert (strength 1 there, 0 on the other). The sampler then needs 4 steps, cfg 1 (no negative "
+            "pass), shift 5, euler: about 10x faster than 20 steps with cfg 5.",
         ]
-    if variant_of(name) == STYLE_LORA_VARIANT:
+    if variant == STYLE_LORA_VARIANT:
         (style,) = LORA_FILES[STYLE_LORA_VARIANT]
         lines += [
             "",
-            f"**LoRA:** put a Wan2.1/2.2 14B style LoRA in `ComfyUI/models/loras/` and pick it instead of "
-            f"`{style.lora_name}` in **WanVACE LoRA Loader**; set its strength per expert (a Wan2.2 LoRA made of a "
-            "high-noise and a low-noise file takes two chained loaders, each with 0 on the other expert).",
+            f"**LoRA:** `{style.lora_name}` (~{_gb(MODEL_FILES[style.lora_name].gigabytes)}, a cinematic look; offered "
+            "by the missing-models dialog) stands for your own Wan2.1/2.2 14B LoRA in `ComfyUI/models/loras/`. A "
+            "Wan2.2 LoRA of a high-noise and a low-noise file takes two chained loaders, each 0 on the other expert.",
         ]
-    length = LONG_LENGTH if name.endswith(LONG_VARIANT) else LENGTH
     lines += ["", f"Output: `output/WanVACE/{name}_*.mp4`, {WIDTH}x{HEIGHT}, {length} frames at 16 fps."]
     return "\n".join(lines)
 
@@ -341,13 +547,9 @@ _INPUT_GROUP_TITLES = {
     "flf2v": "Inputs: first and last frame",
     "r2v": "Inputs: reference images",
     "v2v": "Input: control video",
-    "inpaint": "Input: source video",
+    "inpaint": "Inputs: source video and mask",
     "outpaint": "Input: source video",
     "extension": "Input: clip to extend",
-}
-_MASK_GROUP_TITLES = {
-    "flf2v": "Masks: keep the first and last frame",
-    "inpaint": "Input: inpaint mask",
 }
 
 
@@ -355,16 +557,20 @@ def _build(name: str) -> _Graph:
     if name not in WORKFLOWS:
         raise KeyError(f"unknown workflow {name!r}; one of {', '.join(WORKFLOWS)}")
     task = task_of(name)
-    length = LONG_LENGTH if name.endswith(LONG_VARIANT) else LENGTH
+    variant = variant_of(name)
+    length = length_of(name)
     graph = _Graph()
-    files = SINGLE_FILES.get(variant_of(name))
+    layout = graph.layout
+    files = SINGLE_FILES.get(variant)
+    offload_target: str
     if files is None:
         loader = graph.add("WanVACEModelLoader", model_name=REAL_MODEL, dtype="bf16", at=("model", 0))
+        offload_target = loader
     else:
         offload = {}
-        if variant_of(name) == GGUF_VARIANT:
+        if variant == GGUF_VARIANT:
             options = graph.add(
-                "WanVACEOffloadOptions", mode="layerwise", prefetch_blocks=1, max_pinned_mb=0, at=("model", 0)
+                "WanVACEOffloadOptions", mode="layerwise", prefetch_blocks=1, max_pinned_mb=0, at=("offload", 0)
             )
             offload["offload"] = _out(options)
         loader = graph.add(
@@ -374,90 +580,85 @@ def _build(name: str) -> _Graph:
             weight_dtype="auto",
             boundary_ratio=0.875,
             **offload,
-            at=("model", 1 if offload else 0),
+            at=("model", 0),
         )
+        # Frontend 1.32 neither downloads .gguf files nor sees them in the folder lists it checks (ComfyUI lists no
+        # .gguf), so it would call them missing even when they are there: the GGUF experts carry no download entry,
+        # the note gives their address.
+        layout.models[loader] = tuple(MODEL_FILES[file] for file in files.values() if not file.endswith(".gguf"))
+        offload_target = "" if offload else loader
     optional: dict = {}
     if task == "i2v":
-        optional["control_video"] = _out(_scaled_image(graph, EXAMPLE_INPUTS["first"], "first frame", "inputs", 0))
-        optional["control_masks"] = _out(_keep_mask(graph, "inputs", 1))
+        image = graph.add("LoadImage", "first frame", image=EXAMPLE_INPUTS["first"], at=("inputs", 0))
+        control = _control_video(graph, {"images": _out(image)}, 1, length, use="keep")
+        optional |= {"control_video": _out(control, 0), "control_masks": _out(control, 1)}
     elif task == "flf2v":
-        first = _scaled_image(graph, EXAMPLE_INPUTS["first"], "first frame", "inputs", 0, scale_column=2)
-        last = _scaled_image(graph, EXAMPLE_INPUTS["last"], "last frame", "inputs", 1, scale_column=2)
-        grey = graph.add(
-            "EmptyImage",
-            "frames to generate",
+        first = graph.add("LoadImage", "first frame", image=EXAMPLE_INPUTS["first"], at=("inputs", 0))
+        last = graph.add("LoadImage", "last frame", image=EXAMPLE_INPUTS["last"], at=("inputs", 0))
+        frames = graph.add(
+            "WanVACEFirstLastFrame",
+            first_frame=_out(first),
+            last_frame=_out(last),
             width=WIDTH,
             height=HEIGHT,
-            batch_size=LENGTH - 2,
-            color=GREY,
-            at=("inputs", 3),
+            length=length,
+            at=("inputs", 1),
         )
-        head = graph.add("ImageBatch", "first + grey frames", image1=_out(first), image2=_out(grey), at=("inputs", 3))
-        video = graph.add("ImageBatch", "+ last frame", image1=_out(head), image2=_out(last), at=("inputs", 3))
-        black = graph.add("MaskToImage", mask=_out(_keep_mask(graph, "masks", 0)), at=("masks", 1))
-        white = graph.add(
-            "EmptyImage",
-            "generate mask",
-            width=WIDTH,
-            height=HEIGHT,
-            batch_size=LENGTH - 2,
-            color=WHITE,
-            at=("masks", 0),
-        )
-        mask_head = graph.add("ImageBatch", "keep + generate", image1=_out(black), image2=_out(white), at=("masks", 1))
-        mask_video = graph.add("ImageBatch", "+ keep last", image1=_out(mask_head), image2=_out(black), at=("masks", 1))
-        masks = graph.add("ImageToMask", image=_out(mask_video), channel="red", at=("masks", 1))
-        optional["control_video"] = _out(video)
-        optional["control_masks"] = _out(masks)
+        graph.size_inputs(frames, "width", "height", "length")
+        optional |= {"control_video": _out(frames, 0), "control_masks": _out(frames, 1)}
     elif task == "r2v":
         first = graph.add("LoadImage", "reference 1", image=EXAMPLE_INPUTS["ref1"], at=("inputs", 0))
-        second = graph.add("LoadImage", "reference 2", image=EXAMPLE_INPUTS["ref2"], at=("inputs", 1))
+        second = graph.add("LoadImage", "reference 2", image=EXAMPLE_INPUTS["ref2"], at=("inputs", 0))
         optional["reference_images"] = _out(
-            graph.add("ImageBatch", "both references", image1=_out(first), image2=_out(second), at=("inputs", 2))
+            graph.add("ImageBatch", "both references", image1=_out(first), image2=_out(second), at=("inputs", 1))
         )
     elif task == "v2v":
-        optional["control_video"] = _out(
-            _video_frames(graph, EXAMPLE_INPUTS["control"], "control video", frames=length)
-        )
+        video = graph.add("LoadVideo", "control video", file=EXAMPLE_INPUTS["control"], at=("inputs", 0))
+        control = _control_video(graph, {"video": _out(video)}, 1, length)
+        optional["control_video"] = _out(control, 0)
     elif task == "inpaint":
-        optional["control_video"] = _out(_video_frames(graph, EXAMPLE_INPUTS["source"], "source video"))
+        video = graph.add("LoadVideo", "source video", file=EXAMPLE_INPUTS["source"], at=("inputs", 0))
         mask = graph.add(
             "LoadImageMask",
             "inpaint mask (white = repaint)",
             image=EXAMPLE_INPUTS["mask"],
             channel="red",
-            at=("masks", 0),
+            at=("inputs", 0),
         )
-        mask_image = graph.add("MaskToImage", mask=_out(mask), at=("masks", 1))
-        scaled = graph.add(
-            "ImageScale",
-            image=_out(mask_image),
-            upscale_method="nearest-exact",
+        control = _control_video(graph, {"video": _out(video)}, 1, length, masks=_out(mask))
+        optional |= {"control_video": _out(control, 0), "control_masks": _out(control, 1)}
+    elif task == "outpaint":
+        video = graph.add("LoadVideo", "source video", file=EXAMPLE_INPUTS["source"], at=("inputs", 0))
+        canvas = graph.add(
+            "WanVACEOutpaintCanvas",
+            video=_out(video),
             width=WIDTH,
             height=HEIGHT,
-            crop="center",
-            at=("masks", 1),
-        )
-        optional["control_masks"] = _out(graph.add("ImageToMask", image=_out(scaled), channel="red", at=("masks", 1)))
-    elif task == "outpaint":
-        inner = _video_frames(graph, EXAMPLE_INPUTS["source"], "source video", width=OUTPAINT_INNER_WIDTH)
-        padded = graph.add(
-            "ImagePadForOutpaint",
-            image=_out(inner),
+            length=length,
             left=OUTPAINT_PAD,
             top=0,
             right=OUTPAINT_PAD,
             bottom=0,
-            feathering=0,
-            at=("inputs", 2),
+            at=("inputs", 1),
         )
-        optional["control_video"] = _out(padded, 0)
-        optional["control_masks"] = _out(padded, 1)
+        graph.size_inputs(canvas, "width", "height", "length")
+        optional |= {"control_video": _out(canvas, 0), "control_masks": _out(canvas, 1)}
     elif task == "extension":
-        optional["control_video"] = _out(
-            _video_frames(graph, EXAMPLE_INPUTS["source"], "clip to extend", frames=EXTENSION_GIVEN_FRAMES)
+        # Control Video's length here is how many of the clip's frames are kept (not the video's length, so not
+        # linked to it): the conditioning generates the frames after them.
+        video = graph.add("LoadVideo", "clip to extend", file=EXAMPLE_INPUTS["source"], at=("inputs", 0))
+        control = graph.add(
+            "WanVACEControlVideo",
+            "given frames",
+            video=_out(video),
+            width=WIDTH,
+            height=HEIGHT,
+            length=EXTENSION_GIVEN_FRAMES,
+            use="keep",
+            at=("inputs", 1),
         )
-        optional["control_masks"] = _out(_keep_mask(graph, "inputs", 2))
+        graph.size_inputs(control, "width", "height")
+        optional |= {"control_video": _out(control, 0), "control_masks": _out(control, 1)}
     conditioning = graph.add(
         "WanVACEConditioning",
         model=_out(loader),
@@ -473,7 +674,8 @@ def _build(name: str) -> _Graph:
         **optional,
         at=("prompt", 0),
     )
-    cache = {}
+    graph.size_inputs(conditioning, "width", "height", "length")
+    options = {}
     if name.endswith(CACHE_VARIANT):
         cache_options = graph.add(
             "WanVACECacheOptions",
@@ -486,15 +688,15 @@ def _build(name: str) -> _Graph:
             low_noise_max_warmup_steps=2,
             low_noise_max_cached_steps=-1,
             taylorseer_order=1,
-            at=("cache", 0),
+            at=("options", 0),
         )
-        cache["cache"] = _out(cache_options)
+        options["cache"] = _out(cache_options)
     if name.endswith(LONG_VARIANT):
-        windows = graph.add("WanVACEContextWindows", **CONTEXT_WINDOWS, at=("windows", 0))
-        cache["context_windows"] = _out(windows)
+        windows = graph.add("WanVACEContextWindows", **CONTEXT_WINDOWS, at=("options", 0))
+        options["context_windows"] = _out(windows)
     # The LoRAs change only the sampling: conditioning and decoding use the loader's model directly.
     sampling_model = loader
-    for column, lora in enumerate(LORA_FILES.get(variant_of(name), ())):
+    for column, lora in enumerate(LORA_FILES.get(variant, ())):
         sampling_model = graph.add(
             "WanVACELoraLoader",
             lora.title,
@@ -505,8 +707,9 @@ def _build(name: str) -> _Graph:
             merge=False,
             at=("lora", column),
         )
+        layout.models[sampling_model] = (MODEL_FILES[lora.lora_name],)
     sampling = {"steps": STEPS, "cfg": 5.0, "cfg_low_noise": 5.0, "shift": 0.0, "scheduler": "unipc"}
-    if variant_of(name) == LIGHTNING_VARIANT:
+    if variant == LIGHTNING_VARIANT:
         sampling = LIGHTNING_SAMPLING
     sampler = graph.add(
         "WanVACESampler",
@@ -519,45 +722,65 @@ def _build(name: str) -> _Graph:
         boundary_ratio=-1.0,
         shift=sampling["shift"],
         scheduler=sampling["scheduler"],
-        **cache,
+        **options,
         at=("sampling", 0),
     )
-    frames = graph.add("WanVACEDecode", model=_out(loader), samples=_out(sampler), **VAE_TILING, at=("sampling", 0))
-    video = graph.add("CreateVideo", images=_out(frames), fps=16.0, at=("output", 0))
+    frames = graph.add("WanVACEDecode", model=_out(loader), samples=_out(sampler), **VAE_TILING, at=("output", 0))
+    video = graph.add("CreateVideo", images=_out(frames), fps=16.0, at=("output", 1))
     graph.add(
         "SaveVideo",
         video=_out(video),
         filename_prefix=f"WanVACE/{name}",
         format="auto",
         codec="auto",
-        at=("output", 0),
+        at=("output", 2),
     )
 
-    layout = graph.layout
-    layout.note = _note(name)
+    # Graph-editor-only nodes: the three primitives, and the offload options a user switches on.
+    values = {"width": WIDTH, "height": HEIGHT, "length": length}
+    for key, targets in graph.sized.items():
+        layout.ui_nodes[key] = UiNode("PrimitiveNode", key, tuple(targets), value=values[key])
+        # width and height side by side, length below width.
+        layout.placement[key] = ("size", 1 if key == "height" else 0)
+    if offload_target:
+        layout.ui_nodes["offload"] = UiNode(
+            "WanVACEOffloadOptions",
+            "WanVACE Offload Options",
+            ((offload_target, "offload"),),
+            inputs={"mode": "layerwise", "prefetch_blocks": 1, "max_pinned_mb": 0},
+            muted=True,
+        )
+        layout.placement["offload"] = ("offload", 0)
+
+    layout.groups["size"] = "Video size"
+    layout.groups["offload"] = "Offload" if variant == GGUF_VARIANT else "Offload (off: Ctrl+M)"
     layout.groups["model"] = "Model"
-    if name.endswith(CACHE_VARIANT):
-        layout.groups["cache"] = "Step caching (Cache-DiT)"
-    if name.endswith(LONG_VARIANT):
-        layout.groups["windows"] = "Context windows (long video)"
-    if variant_of(name) in LORA_FILES:
+    if variant in LORA_FILES:
         layout.groups["lora"] = "LoRAs (sampling only)"
     if task in _INPUT_GROUP_TITLES:
         layout.groups["inputs"] = _INPUT_GROUP_TITLES[task]
-    if task in _MASK_GROUP_TITLES:
-        layout.groups["masks"] = _MASK_GROUP_TITLES[task]
     layout.groups["prompt"] = "Prompt and VACE conditioning"
+    if options:
+        layout.groups["options"] = "Step cache (Cache-DiT)" if name.endswith(CACHE_VARIANT) else "Context windows"
     layout.groups["sampling"] = "Sampling"
-    layout.groups["output"] = "Output"
-    # The note and the model top left; the inputs top right of them with the output beside (the
-    # Run button is above it), prompt and sampling below. The bottom right corner stays empty: both
-    # frontends draw their minimap there.
-    left = [["note"], ["model"], *([[key] for key in ("lora", "cache", "windows", "masks") if key in layout.groups])]
-    if task == "t2v":
-        layout.page = [left, [["prompt", "sampling", "output"]]]
-    else:
-        layout.page = [left, [["inputs", "output"], ["prompt", "sampling"]]]
+    layout.groups["output"] = "Decode and save"
+    _page(layout)
     return graph
+
+
+def _page(layout: UiLayout) -> None:
+    """Where the groups go: the note, video size and offload options on the left; the model (and LoRAs), the
+    inputs and the sampler's options; the prompt; the sampler; decoding and saving in a row above the last two (the
+    bottom right corner stays free for the editors' minimap). The router in scripts/make_workflows.py draws the
+    links around the groups."""
+    groups = layout.groups
+    layout.page = [
+        [["note"], ["size"], ["offload"]],
+        [[key] for key in ("model", "lora", "inputs", "options") if key in groups],
+        [["prompt"]],
+        [["sampling"]],
+    ]
+    layout.above = (2, ["output"])
 
 
 def build_api_workflow(name: str) -> dict:
@@ -566,8 +789,10 @@ def build_api_workflow(name: str) -> dict:
 
 
 def build_ui_layout(name: str) -> UiLayout:
-    """Groups, placement and note of one shipped workflow in the graph editor."""
-    return _build(name).layout
+    """Groups, placement, note and graph-editor-only nodes of one shipped workflow in the graph editor."""
+    layout = _build(name).layout
+    layout.note = _note(name)
+    return layout
 
 
 def for_tiny_model(workflow: dict, **overrides) -> dict:

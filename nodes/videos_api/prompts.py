@@ -141,21 +141,17 @@ def build_prompt(
     files = {name: value for name, value in request.files.items() if value}
     name = {key: (temp_name(value, temp_dir) if isinstance(value, str) else value) for key, value in files.items()}
 
-    if mode == "i2v":
-        graph.set("LoadImage", image=name["image"])
-        graph.set_all("ImageScale", width=width, height=height)
-        graph.set_all("SolidMask", width=width, height=height)
-    elif mode == "flf2v":
+    # The shipped workflows' nodes that arrange the inputs take the video's size and length, as the conditioning.
+    for class_type in ("WanVACEControlVideo", "WanVACEFirstLastFrame", "WanVACEOutpaintCanvas"):
+        graph.set_all(class_type, width=width, height=height, length=length)
+    if mode in ("i2v", "flf2v"):
         graph.set("LoadImage", 0, image=name["image"])
+    if mode == "flf2v":
         graph.set("LoadImage", 1, image=name["last_image"])
-        graph.set_all("ImageScale", width=width, height=height)
-        graph.set_all("EmptyImage", width=width, height=height, batch_size=length - 2)
-        graph.set_all("SolidMask", width=width, height=height)
     elif mode == "r2v":
         _references(graph, [temp_name(path, temp_dir) for path in files["reference"]])
     elif mode in ("v2v", "inpaint", "outpaint", "extension"):
         graph.set("LoadVideo", file=name["video"])
-        given = length
         if mode == "extension":
             given = extra.get("given_frames", DEFAULT_GIVEN_FRAMES)
             if not isinstance(given, int) or not 1 <= given < length:
@@ -165,7 +161,8 @@ def build_prompt(
                     f"({length - 1}): the frames kept from the video, before the generated ones.",
                     param="extra_params.given_frames",
                 )
-        graph.set("ImageFromBatch", length=given)
+            # The workflow's WanVACE Control Video keeps that many of the clip's frames.
+            graph.set("WanVACEControlVideo", length=given)
         if mode == "outpaint":
             pad = extra.get("outpaint")
             sides = ("left", "top", "right", "bottom")
@@ -182,11 +179,7 @@ def build_prompt(
                 raise ApiError(
                     400, f"extra_params.outpaint leaves {inner[0]}x{inner[1]} for the video.", "extra_params.outpaint"
                 )
-            graph.set("ImageScale", 0, width=inner[0], height=inner[1])
-            graph.set("ImagePadForOutpaint", **pads, feathering=0)
-        else:
-            graph.set_all("ImageScale", width=width, height=height)
-        graph.set_all("SolidMask", width=width, height=height)
+            graph.set("WanVACEOutpaintCanvas", **pads)
         if mode == "inpaint":
             graph.set("LoadImageMask", image=name["mask"])
 

@@ -11,6 +11,14 @@
 //
 // --screenshots DIR (or $CHECK_WORKFLOWS_SCREENSHOTS): DIR/<workflow>.png, the
 //   window as the workflow opens (its saved view).
+// (Each option also reads $CHECK_WORKFLOWS_MISSING_MODELS=1, $CHECK_WORKFLOWS_TEMPLATE_BROWSER, $CHECK_WORKFLOWS_RUN.)
+// --missing-models: also open the frontend's list of missing models (1.49:
+//   the error overlay's details; 1.32: the Missing Models dialog) and report it.
+// --template-browser MODULE: also open the template browser at this pack's
+//   category and report the card titles it shows, in order, and which are cut off.
+// --run JSON: queue each workflow once with these widget values set first
+//   ({"NodeType": {"widget": value}}, e.g. the tiny model's) and report the
+//   node boxes, overlaps and links after the run (live preview, saved video).
 // --thumbnails DIR (or $CHECK_WORKFLOWS_THUMBNAILS): DIR/<workflow>.png, the
 //   whole graph fitted to the window with the editor's panels hidden.
 
@@ -28,13 +36,18 @@ const OVERALL_TIMEOUT_MS = Number(process.env.CHECK_WORKFLOWS_TIMEOUT_MS || 540_
 // The workflows are shared out over this many pages, each opening them one after another, so their settle
 // waits overlap (most of a workflow's check is SETTLE_MS of waiting); each extra page costs one app start.
 const PAGES = Number(process.env.CHECK_WORKFLOWS_PAGES || 3);
+// How far a reroute's control points reach at most (measured in frontend 1.49: Reroute.controlPoint).
+const REROUTE_MAX_OFFSET = Number(process.env.CHECK_WORKFLOWS_REROUTE_OFFSET || 20);
 
 // PrimeVue dialogs/toasts (current frontend) and the legacy ComfyDialog.
 const DIALOG_SELECTOR = [
   '.p-dialog',
   '.p-toast-message',
   '.comfy-modal',
+  // 1.49's "N errors found" overlay (missing models, node errors).
+  '[data-testid="error-overlay"]',
 ].join(', ');
+const RUN_TIMEOUT_MS = 240_000;
 
 // With --disable-api-nodes the server's CSP blocks the frontend's calls to
 // api.comfy.org; those errors are the intended behaviour, not findings.
@@ -50,6 +63,9 @@ function parseArgs(argv) {
     out: null,
     screenshots: process.env.CHECK_WORKFLOWS_SCREENSHOTS || null,
     thumbnails: process.env.CHECK_WORKFLOWS_THUMBNAILS || null,
+    missingModels: process.env.CHECK_WORKFLOWS_MISSING_MODELS === '1',
+    templateBrowser: process.env.CHECK_WORKFLOWS_TEMPLATE_BROWSER || null,
+    run: process.env.CHECK_WORKFLOWS_RUN ? JSON.parse(process.env.CHECK_WORKFLOWS_RUN) : null,
     files: [],
   };
   for (let i = 0; i < argv.length; i++) {
@@ -58,6 +74,9 @@ function parseArgs(argv) {
     else if (a === '--out') args.out = argv[++i];
     else if (a === '--screenshots') args.screenshots = argv[++i];
     else if (a === '--thumbnails') args.thumbnails = argv[++i];
+    else if (a === '--missing-models') args.missingModels = true;
+    else if (a === '--template-browser') args.templateBrowser = argv[++i];
+    else if (a === '--run') args.run = JSON.parse(argv[++i]);
     else if (a.startsWith('--')) throw new Error(`unknown option ${a}`);
     else args.files.push(a);
   }
@@ -160,7 +179,10 @@ function inspectGraph() {
       }
     }
   }
+  // Nodes the frontend draws with a red error outline (missing model, failed validation).
+  const redNodes = nodes.filter((n) => n.has_errors).map((n) => `${n.id} ${n.title}`);
   return {
+    red_nodes: redNodes,
     node_count: nodes.length,
     node_types: nodes.map((n) => n.type),
     clipped_notes: clippedNotes,
@@ -179,11 +201,230 @@ function inspectGraph() {
   };
 }
 
-// Runs inside the page at the saved view: which nodes and groups are off the
-// window or under the editor's own panels (tab bar, sidebar, Run bar, minimap,
-// zoom controls). Samples points along each title bar and the bottom edge and
-// asks which element is on top there: it must be the graph canvas (or one of
-// the node's own DOM widgets, such as a prompt text box).
+// Runs inside the page: links that run under a node or across a group's title bar. Each link is sampled along
+// the curve the frontend draws (an output leaves to the right, an input is entered from the left, control points
+// a quarter of the endpoints' distance out; through reroutes, each reroute's tangent bisects its neighbours'
+// directions, its control points at most 80 out: scripts/workflow_layout.py), and the samples are checked against
+// the paths the frontend really drew (LLink.path / Reroute.path, Path2D), so a frontend that draws otherwise makes
+// the check fail instead of passing unseen.
+function linkProblems(REROUTE_MAX_OFFSET) {
+  const app = window.app;
+  const g = app.graph;
+  const LG = window.LiteGraph;
+  app.canvas.setDirty(true, true);
+  app.canvas.draw(true, true);
+  const TH = LG.NODE_TITLE_HEIGHT;
+  const nodes = (g._nodes || g.nodes || []).map((n) => ({
+    id: n.id,
+    name: `node ${n.id} ${n.title}`,
+    box: [n.pos[0], n.pos[1] - TH, n.size[0], n.size[1] + TH],
+  }));
+  const titles = (g._groups || g.groups || []).map((gr) => {
+    const [x, y, w] = gr._bounding || gr.bounding;
+    return { name: `group title ${gr.title}`, box: [x, y, w, gr.titleHeight ?? (gr.font_size || 24) * 1.4] };
+  });
+  const inside = (p, [x, y, w, h]) => p[0] > x && p[0] < x + w && p[1] > y && p[1] < y + h;
+  const bezier = (p0, c0, c1, p1, out) => {
+    for (let i = 0; i <= 48; i++) {
+      const t = i / 48, u = 1 - t;
+      const a = u * u * u, b = 3 * u * u * t, c = 3 * u * t * t, d = t * t * t;
+      out.push([a * p0[0] + b * c0[0] + c * c1[0] + d * p1[0], a * p0[1] + b * c0[1] + c * c1[1] + d * p1[1]]);
+    }
+  };
+  const curve = (chain) => {
+    const tangents = [];
+    for (let i = 1; i < chain.length - 1; i++) {
+      const [p, h, f] = [chain[i - 1], chain[i], chain[i + 1]];
+      const entering = Math.atan2(h[1] - p[1], h[0] - p[0]);
+      const leaving = Math.atan2(f[1] - h[1], f[0] - h[0]);
+      let half = (entering - leaving) * 0.5;
+      if (Math.abs(half) > Math.PI * 0.5) half += Math.PI;
+      const angle = entering - half;
+      tangents.push([Math.cos(angle), Math.sin(angle)]);
+    }
+    const pts = [];
+    for (let i = 0; i < chain.length - 1; i++) {
+      const [a, b] = [chain[i], chain[i + 1]];
+      const span = Math.hypot(b[0] - a[0], b[1] - a[1]);
+      const reach = Math.min(REROUTE_MAX_OFFSET, span * 0.25);
+      const c0 = i === 0 ? [a[0] + span * 0.25, a[1]] : [a[0] + reach * tangents[i - 1][0], a[1] + reach * tangents[i - 1][1]];
+      const c1 = i === chain.length - 2 ? [b[0] - span * 0.25, b[1]] : [b[0] - reach * tangents[i][0], b[1] - reach * tangents[i][1]];
+      bezier(a, c0, c1, b, pts);
+    }
+    return pts;
+  };
+  const ctx = document.createElement('canvas').getContext('2d');
+  ctx.lineWidth = 6;
+  const problems = [];
+  const unverified = [];
+  let checked = 0;
+  const linkList = g.links instanceof Map ? [...g.links.values()] : Object.values(g.links || {});
+  for (const l of linkList) {
+    if (!l) continue;
+    const origin = g.getNodeById(l.origin_id);
+    const target = g.getNodeById(l.target_id);
+    if (!origin || !target) continue;
+    const chain = [];
+    const reroutes = [];
+    for (let id = l.parentId; id != null; ) {
+      const r = g.reroutes?.get ? g.reroutes.get(id) : undefined;
+      if (!r) break;
+      reroutes.unshift(r);
+      id = r.parentId;
+    }
+    const start = origin.getConnectionPos(false, l.origin_slot);
+    const end = target.getConnectionPos(true, l.target_slot);
+    chain.push([start[0], start[1]], ...reroutes.map((r) => [r.pos[0], r.pos[1]]), [end[0], end[1]]);
+    const pts = curve(chain);
+    const paths = [...reroutes.map((r) => r.path), l.path].filter(Boolean);
+    const what = `link ${l.id} (${origin.id} ${origin.title} -> ${target.id} ${target.title})`;
+    if (paths.length !== reroutes.length + 1) {
+      unverified.push(`${what}: the frontend kept no drawn path`);
+    } else {
+      // A stroke's butt ends leave out the points right at a piece's ends: those are not compared.
+      const pieceEnds = chain;
+      const off = pts.filter(
+        (p) =>
+          !pieceEnds.some((q) => Math.hypot(p[0] - q[0], p[1] - q[1]) < 4) &&
+          !paths.some((path) => ctx.isPointInStroke(path, p[0], p[1])),
+      );
+      if (off.length > pts.length * 0.02) {
+        unverified.push(`${what}: ${off.length} of ${pts.length} samples are off the drawn path, e.g. ${off[0].map(Math.round)}`);
+      }
+    }
+    checked++;
+    const ends = nodes.filter((n) => n.id === origin.id || n.id === target.id).map((n) => n.box);
+    const near = (p) => Math.hypot(p[0] - start[0], p[1] - start[1]) < 16 || Math.hypot(p[0] - end[0], p[1] - end[1]) < 16;
+    const hit = new Set();
+    for (const p of pts) {
+      if (near(p)) continue;
+      for (const n of nodes) if (n.id !== origin.id && n.id !== target.id && inside(p, n.box)) hit.add(n.name);
+      for (const t of titles) if (inside(p, t.box)) hit.add(t.name);
+      if (ends.some((box) => inside(p, box))) hit.add('its own nodes');
+    }
+    if (hit.size) problems.push(`${what} crosses ${[...hit].join(', ')}`);
+  }
+  return { link_problems: problems, link_unverified: unverified, links_checked: checked };
+}
+
+
+// Runs inside the page: set every primitive node (the workflow's width, height and length) to a new value and
+// report, from the frontend's own graphToPrompt, which inputs it feeds and whether each now carries that value.
+async function sizeFollows() {
+  const app = window.app;
+  const g = app.graph;
+  const newValues = { INT: (v) => (v >= 81 ? v - 32 : v + 16) };
+  const primitives = (g._nodes || g.nodes || []).filter((n) => n.type === 'PrimitiveNode');
+  const linkOf = (id) => (g.links instanceof Map ? g.links.get(id) : g.links[id]);
+  const report = [];
+  for (const p of primitives) {
+    const widget = p.widgets?.[0];
+    if (!widget) {
+      report.push({ primitive: p.title, error: 'no widget' });
+      continue;
+    }
+    const value = newValues.INT(widget.value);
+    widget.value = value;
+    widget.callback?.(value);
+    const targets = (p.outputs[0].links || []).map((id) => {
+      const l = linkOf(id);
+      const t = g.getNodeById(l.target_id);
+      return { node: String(t.id), input: t.inputs[l.target_slot].name };
+    });
+    report.push({ primitive: p.title, value, targets });
+  }
+  const prompt = (await app.graphToPrompt()).output;
+  for (const r of report) {
+    r.mismatches = (r.targets || [])
+      .filter((t) => prompt[t.node]?.inputs?.[t.input] !== r.value)
+      .map((t) => `${t.node}.${t.input}=${prompt[t.node]?.inputs?.[t.input]}`);
+  }
+  return report;
+}
+
+// Runs inside the page: the frontend's list of missing models, as text lines (1.49: the error overlay's "View
+// details" panel; 1.32: the Missing Models dialog).
+async function missingModelsShown() {
+  const button = [...document.querySelectorAll('button')].find((b) => /view details/i.test(b.textContent || ''));
+  if (button) {
+    button.click();
+    await new Promise((r) => setTimeout(r, 1500));
+  }
+  const visible = (el) => el.getClientRects().length > 0;
+  const holders = [...document.querySelectorAll('.comfy-missing-models, .p-dialog, aside, [class*="panel"]')].filter(
+    (el) => visible(el) && /missing models/i.test(el.innerText || ''),
+  );
+  const text = holders.map((el) => el.innerText).join('\n');
+  return text.split('\n').map((t) => t.trim()).filter(Boolean);
+}
+
+// Runs inside the page: open the template browser at `module`'s category; the card titles in order and the ones
+// the card cuts off.
+async function templateBrowser({ module, names }) {
+  const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+  await window.app.extensionManager.command.execute('Comfy.BrowseTemplates');
+  await sleep(2500);
+  const item = [...document.querySelectorAll('*')].find(
+    (e) => e.children.length === 0 && (e.textContent || '').trim() === module && e.getClientRects().length,
+  );
+  if (!item) return { error: `no ${module} entry in the template browser` };
+  item.click();
+  await sleep(2500);
+  const wanted = new Set(names);
+  const seen = new Set();
+  const titles = [];
+  const cut = [];
+  for (const el of document.querySelectorAll('*')) {
+    const text = (el.textContent || '').trim();
+    if (el.children.length !== 0 || !wanted.has(text) || seen.has(text) || !el.getClientRects().length) continue;
+    seen.add(text);
+    titles.push(text);
+    if (el.scrollWidth > el.clientWidth + 1 || el.scrollHeight > el.clientHeight + 1) cut.push(text);
+  }
+  return { titles, cut };
+}
+
+// Runs inside the page: queue the loaded workflow with `values` set on the widgets first, and wait for the end.
+async function runWorkflow({ values, timeout }) {
+  const app = window.app;
+  const g = app.graph;
+  for (const n of g._nodes || g.nodes || []) {
+    const set = values[n.type] || (n.type === 'PrimitiveNode' ? values[`PrimitiveNode:${n.title}`] : null);
+    if (!set) continue;
+    for (const w of n.widgets || []) {
+      if (typeof set === 'object' && w.name in set) {
+        w.value = set[w.name];
+        w.callback?.(w.value);
+      } else if (typeof set !== 'object' && w === n.widgets[0]) {
+        w.value = set;
+        w.callback?.(w.value);
+      }
+    }
+  }
+  const api = window.comfyAPI?.api?.api;
+  const ended = new Promise((resolve) => {
+    const timer = setTimeout(() => resolve('timeout'), timeout);
+    const done = (what) => (event) => {
+      clearTimeout(timer);
+      resolve(what === 'error' ? `error: ${JSON.stringify(event.detail).slice(0, 500)}` : what);
+    };
+    api.addEventListener('execution_success', done('success'));
+    api.addEventListener('execution_error', done('error'));
+  });
+  await app.queuePrompt(0, 1);
+  const status = await ended;
+  // The live preview stays on the sampler and the saved video shows in SaveVideo; let the frontend lay them out.
+  await new Promise((r) => setTimeout(r, 2500));
+  app.canvas.setDirty(true, true);
+  app.canvas.draw(true, true);
+  return status;
+}
+
+// Runs inside the page at the saved view: which nodes and group titles are off
+// the window or under the editor's own panels (tab bar, sidebar, Run bar,
+// minimap, zoom controls). Samples points along each title bar and a node's
+// bottom edge and asks which element is on top there: it must be the graph
+// canvas (or one of the node's own DOM widgets, such as a prompt text box).
 function hiddenAtSavedView() {
   const app = window.app;
   const canvasEl = app.canvas.canvas;
@@ -215,9 +456,10 @@ function hiddenAtSavedView() {
   for (const n of g._nodes || g.nodes || []) {
     hidden.push(...check(`node ${n.id} ${n.title}`, n.pos[0], n.pos[1] - titleHeight, n.size[0], n.size[1] + titleHeight));
   }
+  // A group's title bar; its empty bottom (room for a node's preview after a run) may lie under the minimap.
   for (const gr of g._groups || g.groups || []) {
-    const [x, y, w, h] = gr._bounding || gr.bounding;
-    hidden.push(...check(`group ${gr.title}`, x, y, w, h));
+    const [x, y, w] = gr._bounding || gr.bounding;
+    hidden.push(...check(`group ${gr.title}`, x, y, w, gr.titleHeight ?? (gr.font_size || 24) * 1.4));
   }
   return { hidden, view: { scale, offset: [offset[0], offset[1]] }, window: [window.innerWidth, window.innerHeight] };
 }
@@ -292,6 +534,13 @@ async function checkWorkflow(page, file, consoleSink, args) {
     screenshot: null,
     thumbnail: null,
     api_prompt: null,
+    link_problems: [],
+    link_unverified: [],
+    links_checked: 0,
+    red_nodes: [],
+    size_follows: null,
+    missing_models: null,
+    run: null,
   };
   await page.evaluate(dismissDialogs, DIALOG_SELECTOR);
   consoleSink.length = 0;
@@ -311,6 +560,7 @@ async function checkWorkflow(page, file, consoleSink, args) {
   Object.assign(result, info);
   result.dialogs = await page.evaluate(collectDialogs, DIALOG_SELECTOR);
   Object.assign(result, await page.evaluate(hiddenAtSavedView));
+  Object.assign(result, await page.evaluate(linkProblems, REROUTE_MAX_OFFSET));
   if (args.screenshots) {
     result.screenshot = join(args.screenshots, imageName(file));
     await page.screenshot({ path: result.screenshot });
@@ -324,6 +574,28 @@ async function checkWorkflow(page, file, consoleSink, args) {
   } catch (err) {
     result.api_prompt = null;
     result.load_error = result.load_error || `graphToPrompt: ${err && err.message ? err.message : err}`;
+  }
+  if (args.missingModels) {
+    result.missing_models = await page.evaluate(missingModelsShown);
+  }
+  if (args.run) {
+    await page.evaluate(dismissDialogs, DIALOG_SELECTOR);
+    const status = await page.evaluate(runWorkflow, { values: args.run, timeout: RUN_TIMEOUT_MS });
+    const after = await page.evaluate(inspectGraph);
+    result.run = {
+      status,
+      node_boxes: after.node_boxes,
+      group_boxes: after.group_boxes,
+      red_nodes: after.red_nodes,
+      ...(await page.evaluate(linkProblems, REROUTE_MAX_OFFSET)),
+    };
+    if (args.screenshots) {
+      result.run.screenshot = join(args.screenshots, imageName(file).replace(/\.png$/, ' (after a run).png'));
+      await page.screenshot({ path: result.run.screenshot });
+    }
+  } else {
+    // After the rest: it changes the graph (every primitive gets a new value).
+    result.size_follows = await page.evaluate(sizeFollows);
   }
   if (args.thumbnails) {
     const style = await page.addStyleTag({ content: THUMBNAIL_CSS });
@@ -351,6 +623,8 @@ async function main() {
   const args = parseArgs(process.argv.slice(2));
   // A fresh user would get the template browser instead of an empty canvas.
   await postSetting(args.url, 'Comfy.TutorialCompleted', true);
+  // ComfyUI 0.33 takes a prompt's own live preview method from this setting (0.3.75 only its --preview-method).
+  if (args.run) await postSetting(args.url, 'Comfy.Execution.PreviewMethod', 'latent2rgb');
 
   const browser = await chromium.launch({
     executablePath: CHROMIUM,
@@ -406,8 +680,23 @@ async function main() {
       return { page, consoleSink };
     };
 
+    if (args.templateBrowser) {
+      const { page } = await openPage();
+      const names = args.files.map((f) => basename(f).replace(/\.json$/i, ''));
+      report.template_browser = await withTimeout(
+        page.evaluate(templateBrowser, { module: args.templateBrowser, names }),
+        WORKFLOW_TIMEOUT_MS,
+        'template browser',
+      );
+      if (args.screenshots) {
+        report.template_browser.screenshot = join(args.screenshots, 'template browser.png');
+        await page.screenshot({ path: report.template_browser.screenshot });
+      }
+      await page.context().close();
+    }
     const results = new Array(args.files.length);
-    const pages = Math.max(1, Math.min(PAGES, args.files.length));
+    // Runs one after another: a prompt queued by one page would show in the others' queue panel and slow them.
+    const pages = args.run ? 1 : Math.max(1, Math.min(PAGES, args.files.length));
     await Promise.all(
       Array.from({ length: pages }, async (_, first) => {
         const { page, consoleSink } = await openPage();
@@ -419,6 +708,7 @@ async function main() {
             `${res.name}: ${res.node_count} nodes, missing=${res.missing_types.length}, ` +
               `broken=${res.broken_links.length}, invalid_combos=${res.invalid_combos.length}, ` +
               `hidden=${res.hidden.length}, dialogs=${res.dialogs.length}, ` +
+              `link_problems=${res.link_problems.length}, link_unverified=${res.link_unverified.length}, ` +
               `console_errors=${res.console_errors.length}`,
           );
         }

@@ -186,6 +186,19 @@ def test_bad_widget_inputs_are_refused_at_queue_time(class_type, values, fragmen
     _assert_serving(comfy_server)
 
 
+def test_control_video_takes_a_video_or_images_not_both(comfy_server):
+    """WanVACE Control Video refuses at queue time a graph that connects both of its sources, naming them."""
+    workflow = for_tiny_model(_api_twin("v2v"))
+    (control,) = [node for node in workflow.values() if node["class_type"] == "WanVACEControlVideo"]
+    workflow["800"] = {"class_type": "EmptyImage", "inputs": {"width": 64, "height": 48, "batch_size": 3, "color": 0}}
+    control["inputs"]["images"] = ["800", 0]
+    result = comfy_server.run_prompt(workflow)
+    assert result.status == "rejected"
+    errors = json.dumps(result.node_errors[node_id_of(workflow, "WanVACEControlVideo")]["errors"])
+    assert "connect video" in errors and "both are connected" in errors, errors
+    _assert_serving(comfy_server)
+
+
 def _control_graph(video_frames: int, video_size: tuple[int, int], mask_frames: int | None) -> dict:
     workflow = for_tiny_model(_api_twin("t2v"))
     width, height = video_size
@@ -286,6 +299,9 @@ def test_every_node_and_input_is_described(comfy_server):
         "WanVACEModelLoader",
         "WanVACEExpertsLoader",
         "WanVACEConditioning",
+        "WanVACEControlVideo",
+        "WanVACEFirstLastFrame",
+        "WanVACEOutpaintCanvas",
         "WanVACESampler",
         "WanVACEDecode",
         "WanVACECacheOptions",
