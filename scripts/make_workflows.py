@@ -6,7 +6,7 @@ Writes, for every workflow in WORKFLOWS:
 * `example_workflows/<title>.json`: the same graph in the graph editor's UI (litegraph) format, which
   ComfyUI lists in its template browser under this package. The frontend (1.32 and 1.49) shows a
   custom node pack's template with its file name as title and `<title>.jpg` beside it as thumbnail,
-  so the files are named after WORKFLOW_TITLES ("WanVACE - Image to Video.json").
+  so the files are named after WORKFLOW_TITLES ("02 Image to Video.json").
 * with `--thumbnails`: `example_workflows/<title>.jpg`, a screenshot of the workflow in the real graph
   editor (headless Chromium, tests/browser/check_workflows.mjs), 512 px wide.
 
@@ -35,11 +35,23 @@ widgets by name from `widgets_values_named`, which is written too):
 * What ComfyUI 0.3.75 and 0.33 declare differently is left for the frontend to fill in (see
   `_NodeLayout`), so both give the same file.
 
-Layout: the nodes sit in titled groups (model, inputs, prompt, sampling, output, ...) placed as
-`UiLayout.page` says, beside a Markdown note that says where the model goes and which example inputs
-to replace. The saved view (`extra.ds`) puts the graph's top left corner below the frontends' tab
-bar and breadcrumb and right of their sidebar, at the largest zoom (at most 100%) that keeps the whole
-graph in a 1600x1000 window and out of the corners where they draw the minimap and canvas info.
+Beyond the API graph, the UI file has what only the graph editor knows (`UiLayout`):
+
+* the frontend's primitive nodes for width, height and length, linked to every input that takes them
+  (the frontend writes their values into those inputs when it queues, so the API twin has constants),
+  and a muted WanVACE Offload Options for the user to switch on;
+* ComfyUI's model metadata: `properties.models` on each node that picks a model file, and the
+  workflow's `models`, with the file's download address and folder, for the missing-models dialog.
+
+Layout: the nodes sit in titled groups (size, model, inputs, prompt, sampling, output, ...) placed as
+`UiLayout.page` and `UiLayout.above` say, beside a Markdown note; the nodes of a group's column share
+its width, and the sampler and SaveVideo get room below them for what a run adds (RUN_PREVIEW_HEIGHT).
+Every link whose direct curve would cross a node or a group's title bar goes through native reroutes
+(`extra.reroutes`, `extra.linkExtensions`) on a path found around them (scripts/workflow_layout.py);
+generation fails when a link has no clean path. The saved view (`extra.ds`) puts the graph's top
+left corner below the frontends' tab bar and breadcrumb and right of their sidebar, at the largest zoom
+(at most 100%) that keeps the nodes, note and group titles in a 1600x1000 window and out of the corners
+where the frontends draw the minimap and canvas info.
 """
 
 from __future__ import annotations
