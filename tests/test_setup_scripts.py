@@ -136,6 +136,15 @@ def test_the_demo_refuses_an_old_comfyui_before_any_set_up(tmp_path):
     assert _nothing_set_up(pack)
 
 
+def test_the_demo_refuses_the_current_set_without_a_current_comfyui_before_any_set_up(tmp_path):
+    """WANVACE_DEMO_SET=current with no ComfyUI 0.33+ around used to build the current set's venv (gigabytes) first."""
+    pack = _pack(tmp_path / "pack")
+    result = _run(pack, "bash", "scripts/demo.sh", WANVACE_DEMO_SET="current")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "WANVACE_DEMO_SET=current, but no ComfyUI 0.33+ found" in result.stderr
+    assert _nothing_set_up(pack) and not (pack / ".cache" / "comfyui-current").exists()
+
+
 def test_the_demo_refuses_a_bad_argument_at_once_naming_the_choices(tmp_path):
     pack = _pack(tmp_path / "pack")
     start = time.monotonic()
