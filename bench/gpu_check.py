@@ -70,7 +70,8 @@ BINARY_PLATFORMS = (
 TEST_TOOLS = ("pytest", "pytest-timeout")
 # The fast-path bench's ComfyUI row: SageAttention 1.x (what ComfyUI's --use-sage-attention runs; diffusers 0.42
 # wants >= 2.1.1, so our `auto` does not pick it) and what ComfyUI's `comfy` package imports at start that the
-# machine lacks, at the versions the ComfyUI tree's requirements.txt pins (these when no tree is at hand: 0.33's).
+# machine lacks, at the versions the ComfyUI tree's requirements.txt pins (these when no tree is at hand: 0.33's,
+# which the committed lock is for; a tree pinning others needs `gpu_wheels.sh --lock`, `wheels` says so).
 COMFY_TOOLS = ("comfy-kitchen", "comfy-aimdo")
 COMFY_TOOL_PINS = {"comfy-kitchen": "0.2.31", "comfy-aimdo": "0.4.13"}
 SAGE = "sageattention==1.0.6"
@@ -141,6 +142,12 @@ def roots(tree: Path | None = None) -> list[tuple[str, str]]:
     found += [(SAGE, "the fast path's ComfyUI row (its --use-sage-attention)")]
     found += [(f"{name}=={version}", "ComfyUI's comfy package") for name, version in comfy_tool_pins(tree).items()]
     return found
+
+
+def stale_roots(lock: dict, tree: Path | None = None) -> list[str]:
+    """The inputs `roots(tree)` names that the lock was not resolved from: empty when the lock fits them."""
+    locked = {root["requirement"] for root in lock["roots"]}
+    return [text for text, _why in roots(tree) if text not in locked]
 
 
 def _pip(*args: str) -> subprocess.CompletedProcess:
@@ -271,6 +278,20 @@ def download_locked(lock: dict, dest: Path) -> None:
 
 
 def wheels(dest: Path, lock_again: bool, has_file: Path | None) -> int:
+    if not lock_again:
+        if not gpu_imports.WHEEL_LOCK.exists():
+            print("[gpu_wheels] ERROR: no bench/gpu_wheels.lock.json; run `bash bench/gpu_wheels.sh --lock`")
+            return 1
+        lock = json.loads(gpu_imports.WHEEL_LOCK.read_text())
+        # The wheels must fit the comfy package copied beside them: a newer ComfyUI pins other comfy-kitchen/-aimdo.
+        changed = stale_roots(lock)
+        if changed:
+            print(
+                f"[gpu_wheels] ERROR: bench/gpu_wheels.lock.json was resolved without {', '.join(changed)} (from "
+                f"requirements.txt, scripts/sets/current.txt or the ComfyUI at {comfy_tree()}): run "
+                "`bash bench/gpu_wheels.sh --lock` to resolve it for these"
+            )
+            return 1
     partial = Path(tempfile.mkdtemp(prefix="gpu-wheels."))  # `dest` is replaced only once every wheel is in
     if lock_again:
         has = machine_from_freeze(has_file) if has_file else gpu_imports.machine_packages()
@@ -280,10 +301,6 @@ def wheels(dest: Path, lock_again: bool, has_file: Path | None) -> int:
         gpu_imports.WHEEL_LOCK.write_text(json.dumps(lock, indent=1) + "\n")
         print(f"[gpu_wheels] wrote {gpu_imports.WHEEL_LOCK.relative_to(REPO)}: commit it")
     else:
-        if not gpu_imports.WHEEL_LOCK.exists():
-            print("[gpu_wheels] ERROR: no bench/gpu_wheels.lock.json; run `bash bench/gpu_wheels.sh --lock`")
-            return 1
-        lock = json.loads(gpu_imports.WHEEL_LOCK.read_text())
         download_locked(lock, partial)
     lines = [f"# Wheels for bench/gpu_check.sh (CPython {TARGET_PYTHON} x86_64): bench/gpu_wheels.lock.json"]
     lines += [

@@ -5,7 +5,7 @@
 # cache-dit, gguf, ftfy, SageAttention 1.0.6, comfy-kitchen, ...: bench/gpu_wheels.lock.json) and ComfyUI's comfy
 # package in .gpu-wheels/; bring the repository with that folder to the GPU machine, then there:
 #   bash bench/gpu_check.sh                 # artefacts in $OUT (default /tmp/wanvace-gpu-check-out)
-#   WANVACE_GPU_STEPS=fast720,vae,parallel bash bench/gpu_check.sh    # a rerun of chosen steps only
+#   WANVACE_GPU_BUDGET_S=200 WANVACE_GPU_STEPS=fast720,vae,parallel bash bench/gpu_check.sh  # a short rerun
 # It installs .gpu-wheels/ offline into a temporary folder on PYTHONPATH (python3's own packages are left alone),
 # imports every module the GPU steps import (lazy imports included; ComfyUI's from .gpu-wheels/comfyui), and looks
 # for CUDA. Without it: each bench's CPU part (tiny configs: the logic), then "no CUDA device" and exit 0 if all
