@@ -3,9 +3,9 @@
 The frontends (1.32 and 1.49) draw every link as a cubic Bezier curve from an output slot (leaving to the right) to
 an input slot (arriving from the left), the control points a quarter of the endpoints' distance out. Through the
 native reroutes of a link (`extra.reroutes`, `extra.linkExtensions` in the saved file) it is drawn piece by piece:
-each reroute's tangent bisects the directions to its neighbours, its control points at most 80 units out.
-`link_points` reproduces that; tests/browser/check_workflows.mjs checks it against the paths the frontend really
-drew and then checks those against the nodes and group titles.
+each reroute's tangent bisects the directions to its neighbours, its control points at most REROUTE_MAX_OFFSET
+out. `link_points` reproduces that; tests/browser/check_workflows.mjs checks it against the paths the frontend
+really drew and then checks those against the nodes and group titles.
 
 `route` finds, for a link whose direct curve would cross a node or a group's title bar, a path of horizontal and
 vertical runs through the free space (A* on a grid, turns cost extra) and returns its corners, where reroutes go.

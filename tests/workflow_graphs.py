@@ -33,7 +33,6 @@ CONTEXT_WINDOWS = {
     "fuse_method": "pyramid",
     "freenoise": True,
 }
-WHITE = 0xFFFFFF
 NEGATIVE = "blurry, low quality, static, overexposed, jpeg artifacts, deformed, extra fingers, watermark, subtitles"
 
 TASK_PROMPTS = {

@@ -204,9 +204,9 @@ function inspectGraph() {
 // Runs inside the page: links that run under a node or across a group's title bar. Each link is sampled along
 // the curve the frontend draws (an output leaves to the right, an input is entered from the left, control points
 // a quarter of the endpoints' distance out; through reroutes, each reroute's tangent bisects its neighbours'
-// directions, its control points at most 80 out: scripts/workflow_layout.py), and the samples are checked against
-// the paths the frontend really drew (LLink.path / Reroute.path, Path2D), so a frontend that draws otherwise makes
-// the check fail instead of passing unseen.
+// directions, its control points at most REROUTE_MAX_OFFSET out: scripts/workflow_layout.py), and the samples are
+// checked against the paths the frontend really drew (LLink.path / Reroute.path, Path2D), so a frontend that draws
+// otherwise makes the check fail instead of passing unseen.
 function linkProblems(REROUTE_MAX_OFFSET) {
   const app = window.app;
   const g = app.graph;
