@@ -110,9 +110,11 @@ class WanVACEContextWindows(io.ComfyNode):
             ):
                 if value is not None:
                     validate_range(name, value, *bounds)
+            # A linked input arrives as None, its value unknown until the prompt runs: the other one is checked
+            # against the value that refuses none of it (the longest window, no overlap), not against the default.
             options = ContextWindowOptions(
-                context_length=_DEFAULTS.context_length if context_length is None else context_length,
-                context_overlap=_DEFAULTS.context_overlap if context_overlap is None else context_overlap,
+                context_length=LENGTH_RANGE[1] if context_length is None else context_length,
+                context_overlap=OVERLAP_RANGE[0] if context_overlap is None else context_overlap,
                 schedule=_DEFAULTS.schedule if schedule is None else schedule,
                 fuse_method=_DEFAULTS.fuse_method if fuse_method is None else fuse_method,
             )

@@ -802,6 +802,25 @@ def test_a_width_through_comfyuis_primitive_node_is_checked_against_the_model(co
 
 
 @pytest.mark.every_variant
+@pytest.mark.parametrize(
+    ("linked", "value", "widgets"),
+    [
+        # 96 frames of overlap fit a 129-frame window, not the default 81 a linked length was taken for.
+        ("context_length", 129, {"context_overlap": 96}),
+        # A 17-frame window fits an 8-frame overlap, not the default 16 a linked overlap was taken for.
+        ("context_overlap", 8, {"context_length": 17}),
+    ],
+)
+def test_a_linked_window_setting_is_not_taken_for_its_default(linked, value, widgets, comfy_server):
+    # ComfyUI passes a linked input to validate_inputs as None; its value is known when the prompt runs.
+    workflow, node_id = _with_windows(**widgets)
+    workflow["901"] = {"class_type": "PrimitiveInt", "inputs": {"value": value}}
+    workflow[node_id]["inputs"][linked] = ["901", 0]
+    result = comfy_server.run_prompt(workflow, timeout=600)
+    assert result.status == "success", (result.status, result.response, result.error)
+
+
+@pytest.mark.every_variant
 def test_model_default_widgets_say_so_on_the_node_and_old_prompts_keep_their_values(comfy_server):
     info = comfy_server.object_info("WanVACESampler")["WanVACESampler"]["input"]["required"]
     assert info["boundary_ratio"][1]["display_name"] == "boundary_ratio (-1 = model's)"
