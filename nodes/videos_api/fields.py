@@ -115,9 +115,9 @@ class VideoRequest:
     lora: tuple[str, float] | None = None
     extra: dict = field(default_factory=dict)
     # The request field that set each of the conditioning node's width, height and length ("size", "width",
-    # "seconds", "num_frames", ...), and the values as sent: a refusal of a node input names what the client sent.
+    # "seconds", "num_frames", ...), and seconds as sent: a refusal of a node input names what the client sent.
     sources: dict = field(default_factory=dict)
-    given: dict = field(default_factory=dict)
+    seconds_sent: float | None = None
 
     @property
     def size(self) -> str:
@@ -343,5 +343,5 @@ def build_request(values: dict, uploads: list[Upload], files: dict) -> VideoRequ
         lora=_lora(values.get("lora")),
         extra=extra,
         sources=sources,
-        given={name: values[name] for name in ("size", "seconds", "fps") if name in values},
+        seconds_sent=values.get("seconds"),
     )

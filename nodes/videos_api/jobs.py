@@ -493,7 +493,7 @@ def _in_request_terms(class_type: str, input_name: str, text: str, request: Vide
         if param == "size":
             return param, f"size={request.size}: {text}"
         if param == "seconds":
-            seconds, fps = request.given["seconds"], request.fps
+            seconds, fps = request.seconds_sent, request.fps
             return param, f"seconds={seconds:g} at fps={fps:g} is num_frames={request.num_frames}: {text}"
     else:
         param = PARAM_OF_INPUT.get((class_type, input_name), PARAM_OF_NODE.get(class_type))
