@@ -1,13 +1,18 @@
 """The offline command (`python -m wanvace_core.generate`) against the shipped workflows through a real ComfyUI:
-for every VACE mode, the same job gives the same latents bit for bit.
+for every VACE mode, the same job gives the same latents bit for bit. Both arrange the control video and masks with
+`wanvace_core.generation.tasks` (the workflows through the WanVACE Control Video, First/Last Frame and Outpaint Canvas
+nodes), so the arrangement itself is held to ComfyUI's own nodes, chained as the templates had them before those
+nodes existed (EmptyImage grey, SolidMask, ImagePadForOutpaint, ...).
 
-The inputs are written at the tiny model's output size (64x48), so the workflows' ImageScale passes them through
-unchanged (PIL returns a same-size image as it is), and videos are PNG-coded (.mov, rgb24), which both ComfyUI
-versions and the command read as 8-bit RGB over 255.
+The inputs are written at the tiny model's output size (64x48), so neither our nodes nor ComfyUI's ImageScale resize
+them (PIL returns a same-size image as it is), and videos are PNG-coded (.mov, rgb24), which both ComfyUI versions and
+the command read as 8-bit RGB over 255.
 """
 
 from __future__ import annotations
 
+import copy
+import itertools
 import json
 from pathlib import Path
 
@@ -137,3 +142,79 @@ def test_the_offline_command_equals_the_shipped_workflow_bitwise(comfy_server, c
     assert torch.equal(offline["latent_tensor"], served)
     assert "latent_format_version_0" in offline, "ComfyUI's LoadLatent would rescale latents without it"
     assert output.stat().st_size > 0
+
+
+FRAMES_NODES = ("WanVACEControlVideo", "WanVACEFirstLastFrame", "WanVACEOutpaintCanvas")
+
+
+def _comfyui_chain(workflow: dict, mode: str) -> dict:
+    """`workflow` with its WanVACE frames node replaced by ComfyUI's own nodes, chained as the templates arranged the
+    control video and masks before that node existed."""
+    chain = copy.deepcopy(workflow)
+    (frames_id,) = [key for key, node in chain.items() if node["class_type"] in FRAMES_NODES]
+    frames = chain.pop(frames_id)["inputs"]
+    conditioning = chain[node_id_of(chain, "WanVACEConditioning")]["inputs"]
+    size = {"width": WIDTH, "height": HEIGHT}
+
+    ids = (f"8{index:02d}" for index in itertools.count())
+
+    def add(class_type: str, **inputs) -> list:
+        node_id = next(ids)
+        chain[node_id] = {"class_type": class_type, "inputs": inputs}
+        return [node_id, 0]
+
+    def scaled(image: list, method: str = "lanczos", **to) -> list:
+        return add("ImageScale", image=image, upscale_method=method, crop="center", **(to or size))
+
+    if mode in ("i2v", "flf2v"):
+        video, masks = scaled(frames["images" if mode == "i2v" else "first_frame"]), add("SolidMask", value=0.0, **size)
+        if mode == "flf2v":
+            grey = add("EmptyImage", batch_size=LENGTH - 2, color=0x808080, **size)
+            video = add(
+                "ImageBatch", image1=add("ImageBatch", image1=video, image2=grey), image2=scaled(frames["last_frame"])
+            )
+            kept = add("MaskToImage", mask=masks)
+            white = add("EmptyImage", batch_size=LENGTH - 2, color=0xFFFFFF, **size)
+            both = add("ImageBatch", image1=add("ImageBatch", image1=kept, image2=white), image2=kept)
+            masks = add("ImageToMask", image=both, channel="red")
+    else:
+        components = add("GetVideoComponents", video=frames["video"])
+        clip = add("ImageFromBatch", image=components, batch_index=0, length=frames["length"])
+        if mode == "outpaint":
+            inner = {
+                "width": WIDTH - frames["left"] - frames["right"],
+                "height": HEIGHT - frames["top"] - frames["bottom"],
+            }
+            sides = {side: frames[side] for side in ("left", "top", "right", "bottom")}
+            padded = add("ImagePadForOutpaint", image=scaled(clip, **inner), feathering=0, **sides)
+            video, masks = padded, [padded[0], 1]
+        else:
+            video, masks = scaled(clip), None
+            if mode == "extension":
+                masks = add("SolidMask", value=0.0, **size)
+            elif mode == "inpaint":
+                mask_image = scaled(add("MaskToImage", mask=frames["masks"]), method="nearest-exact")
+                masks = add("ImageToMask", image=mask_image, channel="red")
+    conditioning["control_video"] = video
+    if masks is None:
+        conditioning.pop("control_masks", None)
+    else:
+        conditioning["control_masks"] = masks
+    assert not any(
+        value[0] == frames_id for node in chain.values() for value in node["inputs"].values() if isinstance(value, list)
+    )
+    return chain
+
+
+@pytest.mark.every_variant
+@pytest.mark.parametrize("mode", ["i2v", "flf2v", "v2v", "inpaint", "outpaint", "extension"])
+def test_the_frames_nodes_arrange_the_inputs_as_comfyuis_own_nodes_do(comfy_server, comfy_base, mode):
+    workflow, _ = _job(mode, comfy_base / "input")
+    latents = {}
+    for name, graph in (("ours", workflow), ("comfyui", _comfyui_chain(workflow, mode))):
+        graph["900"]["inputs"]["filename_prefix"] = f"generate/{mode}_{name}"
+        result = comfy_server.run_prompt(graph)
+        assert result.status == "success", (name, result.status, result.error)
+        (latent_file,) = [path for path in result.output_files() if path.suffix == ".latent"]
+        latents[name] = load_file(str(latent_file))["latent_tensor"]
+    assert torch.equal(latents["ours"], latents["comfyui"])
