@@ -1,11 +1,12 @@
 """The VACE tasks as conditioning inputs: which frames are given, which are masked, for each mode.
 
-The arrangements are those of the shipped workflows (`example_workflows/`), so that a job given here and the same job
-queued through ComfyUI condition the model on the same pixels: first/last-frame jobs fill the frames between
-with ComfyUI's `EmptyImage` grey (128/255) and mask them; outpainting pads with 0.5 grey as `ImagePadForOutpaint`
-does; a single mask frame applies to every given frame. Images and videos arrive in ComfyUI's layout
-(`[T, H, W, 3]`, `[0, 1]`); one of another size is centre-cropped to the output's aspect and resized with
-antialiased bicubic interpolation (ComfyUI's workflows use lanczos there, so only same-size inputs are equal).
+The shipped workflows run these through their WanVACE Control Video, First/Last Frame and Outpaint Canvas nodes, so a
+job given here and the same job queued through ComfyUI condition the model on the same pixels. The arrangements are
+those ComfyUI's own nodes make (tests/integration/test_generate_server.py holds them to those): first/last-frame jobs
+fill the frames between with `EmptyImage` grey (128/255) and mask them; outpainting pads with 0.5 grey as
+`ImagePadForOutpaint` does; a single mask frame applies to every given frame. Images and videos arrive in
+ComfyUI's layout (`[T, H, W, 3]`, `[0, 1]`); one of another size is centre-cropped to the output's aspect and resized
+with antialiased bicubic interpolation (ComfyUI's ImageScale uses lanczos, so only same-size inputs are equal).
 """
 
 from __future__ import annotations
