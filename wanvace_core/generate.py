@@ -263,6 +263,7 @@ class Job:
     parallel: ParallelOptions | None
     device: str
     tiling: VAETiling
+    offload: OffloadOptions
 
 
 def job_from_args(args: argparse.Namespace) -> tuple[VACEInputs, SamplerSettings]:
@@ -378,7 +379,7 @@ def prepare_job(args: argparse.Namespace) -> Job:
         if loras:
             raise GenerateError("--lora does not run yet with --parallel-devices; leave one of them out.")
     with _refusing("--offload", {"mode": "--offload"}):
-        OffloadOptions(mode=args.offload)
+        offload = OffloadOptions(mode=args.offload)
     with _refusing("--model", {}):
         inspect_pipeline_folder(args.model)
         limits = size_limits_of_folder(args.model)
@@ -389,7 +390,7 @@ def prepare_job(args: argparse.Namespace) -> Job:
     with _refusing("--flow-shift", {**_FLAG_OF, "cfg": high_flag(args)}):
         timesteps_for(scheduler_config, settings)
     tiling = VAETiling(mode="on") if args.vae_use_tiling else VAETiling(mode="off")
-    return Job(inputs, settings, cache, windows, loras, parallel, device, tiling)
+    return Job(inputs, settings, cache, windows, loras, parallel, device, tiling, offload)
 
 
 _FLAG_NAMES = SizeNames("--width", "--height", "--num-frames", "--context-length", "add --context-length {} or less")
@@ -407,9 +408,7 @@ def run(args: argparse.Namespace) -> Path:
     """Runs the job the flags describe and returns the MP4's path."""
     job = prepare_job(args)
     started = time.perf_counter()
-    model = load_pipeline(
-        args.model, args.dtype, job.device, offload=OffloadOptions(mode=args.offload), parallel=job.parallel
-    )
+    model = load_pipeline(args.model, args.dtype, job.device, offload=job.offload, parallel=job.parallel)
     if job.loras:
         model = model.with_loras(*job.loras)
     logger.info("loaded %s in %.1f s", args.model, time.perf_counter() - started)
