@@ -113,7 +113,7 @@ def install_template_order() -> None:
         from server import PromptServer
 
         app = PromptServer.instance.app
-    except Exception as exc:  # whatever ComfyUI raises, the pack must still load
+    except (ImportError, AttributeError) as exc:  # no server (a script or a test)
         LOG.warning("WanVACE: templates left in ComfyUI's order (%s)", exc)
         return
     ours = {p.stem for p in TEMPLATE_DIR.glob("*.json")}
@@ -129,4 +129,7 @@ def install_template_order() -> None:
             return response
         return web.json_response(ordered_template_list(listed, ours))
 
-    app.middlewares.append(templates_in_order)
+    try:
+        app.middlewares.append(templates_in_order)
+    except RuntimeError as exc:  # the server already listens: its middlewares are frozen
+        LOG.warning("WanVACE: templates left in ComfyUI's order (%s)", exc)

@@ -34,7 +34,7 @@ NODE_PREFIX = "WanVACE"
 _PRIMITIVES = {"PrimitiveInt", "PrimitiveFloat", "PrimitiveString", "PrimitiveStringMultiline", "PrimitiveBoolean"}
 _PROMPT_PATHS = {"/prompt", "/api/prompt"}
 
-_queued: contextvars.ContextVar[dict | None] = contextvars.ContextVar("wanvace_queued_prompt", default=None)
+_queued: contextvars.ContextVar[dict | None] = contextvars.ContextVar("wanvace_queued_request", default=None)
 _installed = False
 
 
@@ -57,14 +57,17 @@ def install() -> None:
 
 
 def _remember_prompt(json_data):
-    prompt = json_data.get("prompt") if isinstance(json_data, dict) else None
-    _queued.set(prompt if isinstance(prompt, dict) else None)
+    # The request's body, not its prompt: an on-prompt handler of a pack loaded after ours may still put a new prompt
+    # into it, and validation must read the one ComfyUI validates.
+    _queued.set(json_data if isinstance(json_data, dict) else None)
     return json_data
 
 
 def queued_prompt() -> dict | None:
     """The prompt ComfyUI is validating in this request, or None (validation outside POST /prompt)."""
-    return _queued.get()
+    body = _queued.get()
+    prompt = None if body is None else body.get("prompt")
+    return prompt if isinstance(prompt, dict) else None
 
 
 # --------------------------------------------------------------------------------------------------------------

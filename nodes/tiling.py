@@ -63,12 +63,16 @@ def tiling_from_inputs(
 
 
 def validate_tiling_inputs(tiled=None, tile_size=None, tile_overlap=None) -> bool | str:
-    """For a node's `validate_inputs`: True, or the refusal. None (an input linked, or missing) counts as default."""
+    """For a node's `validate_inputs`: True, or the refusal.
+
+    None is an input linked (its value unknown until the prompt runs) or left out: the other is checked against the
+    value that refuses none of it (the largest tile, no overlap), not against the default; the node checks again when
+    it runs."""
     try:
         tiling = tiling_from_inputs(
             _DEFAULT.mode if tiled is None else tiled,
-            _DEFAULT.tile_size if tile_size is None else tile_size,
-            _DEFAULT.overlap if tile_overlap is None else tile_overlap,
+            TILE_SIZE_RANGE[1] if tile_size is None else tile_size,
+            TILE_OVERLAP_RANGE[0] if tile_overlap is None else tile_overlap,
         )
         validate_range(TILE_SIZE, tiling.tile_size, *TILE_SIZE_RANGE)
         validate_range(TILE_OVERLAP, tiling.overlap, *TILE_OVERLAP_RANGE)

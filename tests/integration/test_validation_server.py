@@ -820,6 +820,15 @@ def test_a_linked_window_setting_is_not_taken_for_its_default(linked, value, wid
     assert result.status == "success", (result.status, result.response, result.error)
 
 
+def test_a_linked_tile_size_is_not_taken_for_its_default(comfy_server):
+    # A 296 px overlap fits the linked 512 px tile, not the default 256 px tile a linked tile_size was taken for.
+    workflow, node_id = _with(_t2v(), "WanVACEDecode", tiled="on", tile_overlap=296)
+    workflow["902"] = {"class_type": "PrimitiveInt", "inputs": {"value": 512}}
+    workflow[node_id]["inputs"]["tile_size"] = ["902", 0]
+    result = comfy_server.run_prompt(workflow, timeout=600)
+    assert result.status == "success", (result.status, result.response, result.error)
+
+
 @pytest.mark.every_variant
 def test_model_default_widgets_say_so_on_the_node_and_old_prompts_keep_their_values(comfy_server):
     info = comfy_server.object_info("WanVACESampler")["WanVACESampler"]["input"]["required"]
