@@ -7,6 +7,8 @@
 # set. Exits non-zero if any set fails.
 # The current set runs every test; the oldest set runs each test's first variant and no `one_set` test
 # (tests/conftest.py says why; WANVACE_FULL=1 runs everything in both).
+# Each set runs on WANVACE_TEST_WORKERS pytest-xdist workers (default 2, one file per worker at a time; 0 runs in
+# this process): much of the suite waits on one-threaded imports and subprocesses, which leaves a second core idle.
 # Ends with each set's time and passed / skipped / failed counts; pytest lists each set's 15 slowest tests.
 set -uo pipefail
 
@@ -14,6 +16,14 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
 read -r -a SETS <<<"${WANVACE_SETS:-oldest current}"
+WORKERS="${WANVACE_TEST_WORKERS:-2}"
+if ! [[ "$WORKERS" =~ ^[0-9]+$ ]]; then
+    echo "WANVACE_TEST_WORKERS=$WORKERS: give a number of pytest-xdist workers (0 runs the tests in one process)" >&2
+    exit 2
+fi
+PARALLEL=()
+if [ "$WORKERS" -gt 0 ]; then PARALLEL=(-n "$WORKERS" --dist loadfile); fi
+
 run_start=$SECONDS
 bash scripts/setup.sh "${SETS[@]}" || exit 1
 setup_s=$((SECONDS - run_start))
@@ -61,7 +71,7 @@ for set in "${SETS[@]}"; do
     fi
     start=$SECONDS
     WANVACE_SET="$set" WANVACE_COMFY_DIR="$comfy" WANVACE_COMFY_SKIPPED="$skip_reason" \
-        "$ROOT/.venvs/$set/bin/python" -m pytest "${TARGETS[@]}" -p no:cacheprovider -ra --durations=15 "$@" \
+        "$ROOT/.venvs/$set/bin/python" -m pytest "${TARGETS[@]}" -p no:cacheprovider -ra --durations=15 "${PARALLEL[@]}" "$@" \
         2>&1 | tee "$logs/$set.log"
     rc=${PIPESTATUS[0]}
     # pytest's closing line: "=== 3 passed, 1 skipped in 9.1s ===", or without the rules under -q.
