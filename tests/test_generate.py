@@ -224,7 +224,8 @@ def test_the_readme_tiny_model_commands_run_as_written(tmp_path):
     section = (REPO / "README.md").read_text().split("## Offline command")[1].split("\n## ")[0]
     (commands,) = [block.split("```")[0] for block in section.split("```bash\n")[1:] if "load.tiny" in block]
     assert ".venvs/current/bin/python" in commands and "/tmp/" in commands
-    commands = commands.replace(".venvs/current/bin/python", sys.executable).replace("/tmp/", f"{tmp_path}/")
+    # /tmp/ first: a clone under /tmp has it in sys.executable too.
+    commands = commands.replace("/tmp/", f"{tmp_path}/").replace(".venvs/current/bin/python", sys.executable)
     done = subprocess.run(
         ["bash", "-euo", "pipefail", "-c", commands],
         cwd=REPO,
