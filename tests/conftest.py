@@ -16,8 +16,9 @@ from tests.single_files import ComfyModels, comfy_components, write_comfy_models
 from wanvace_core import load_pipeline  # noqa: E402
 from wanvace_core.load.tiny import COMFY_SHAPED, TinyModelSpec, write_tiny_pipeline  # noqa: E402
 
-# scripts/test.sh runs two pytest-xdist workers on a two-core runner: a second torch thread in each only contends.
-torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, torch.get_num_threads()))
+# Under scripts/test.sh's pytest-xdist workers the cores are shared out: more threads than that only contend.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, torch.get_num_threads(), (os.cpu_count() or 1) // _WORKERS)))
 
 # The current set runs every test in every variant. The oldest set proves each feature works on the oldest
 # dependencies: each parametrized test runs its first variant there (every variant where it is marked
