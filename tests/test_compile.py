@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import subprocess
+import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -35,6 +39,8 @@ from wanvace_core import (
     sample,
 )
 from wanvace_core.runtime.regional_compile import compile_failure, compiled_blocks
+
+REPO = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.slow
 
@@ -197,3 +203,29 @@ def test_a_machine_that_cannot_build_kernels_is_refused_before_loading(tiny_fold
     message = str(refused.value)
     assert message.startswith("compile is on but torch.compile cannot build kernels for cpu ("), message
     assert "C++ compiler" in message and message.endswith("Turn compile off."), message
+
+
+@pytest.mark.slow
+def test_torch_under_a_folder_with_a_space_is_refused_naming_that_folder(tmp_path):
+    # This venv reached through a folder whose name has a space, as a ComfyUI installed under "My Apps" would be: the
+    # probe compiles in that interpreter, where torch's C++ kernel build gets the folder's path unquoted.
+    venv = Path(sys.prefix)
+    spaced = tmp_path / "My Apps"
+    spaced.mkdir()
+    (spaced / "venv").symlink_to(venv, target_is_directory=True)
+    script = (
+        "from wanvace_core.errors import WanVACEInputError\n"
+        "from wanvace_core.runtime.regional_compile import check_regional_compile\n"
+        "try:\n    check_regional_compile('cpu')\nexcept WanVACEInputError as error:\n    print(error)\n"
+        "else:\n    print('compiles')\n"
+    )
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [str(spaced / "venv" / "bin" / "python"), "-c", script], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = done.stdout.strip().splitlines()[-1]
+    # A torch that quotes its paths compiles there; one that does not must say why, not ask for a compiler.
+    if said != "compiles":
+        assert "whose path has a space (" in said and str(spaced / "venv") in said, said
+        assert said.endswith("or turn compile off."), said

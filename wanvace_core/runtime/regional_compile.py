@@ -21,6 +21,7 @@ import contextlib
 import functools
 import inspect
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 from diffusers.models import attention_dispatch
@@ -129,9 +130,19 @@ def _probe(x: torch.Tensor) -> torch.Tensor:
 def check_regional_compile(device: torch.device | str) -> None:
     """Refuses compile where torch.compile cannot build kernels for `device`."""
     problem = compile_failure(str(torch.device(device)))
-    if problem is not None:
-        raise WanVACEInputError(
-            f"compile is on but torch.compile cannot build kernels for {torch.device(device)} ({problem}). It needs "
-            "Triton on a GPU (pip install triton; triton-windows on Windows) or a C++ compiler for the CPU. Turn "
-            "compile off."
+    if problem is None:
+        return
+    remedy = (
+        "It needs Triton on a GPU (pip install triton; triton-windows on Windows) or a C++ compiler for the CPU. "
+        "Turn compile off."
+    )
+    torch_folder = Path(torch.__file__).parent
+    if torch.device(device).type == "cpu" and " " in str(torch_folder):
+        # Inductor passes torch's include and library folders to the C++ compiler unquoted.
+        remedy = (
+            f"torch is under a folder whose path has a space ({torch_folder}), which torch's C++ kernel build cannot "
+            "use: run from a Python environment whose path has none, or turn compile off."
         )
+    raise WanVACEInputError(
+        f"compile is on but torch.compile cannot build kernels for {torch.device(device)} ({problem}). {remedy}"
+    )
