@@ -70,8 +70,11 @@ for set in "${SETS[@]}"; do
         fi
     fi
     start=$SECONDS
+    # The venv by its real folder: torch.compile's C++ build on the CPU cannot use a path with a space, and this
+    # clone's path may have one (the venvs live outside it).
+    venv="$(cd "$ROOT/.venvs/$set" && pwd -P)"
     WANVACE_SET="$set" WANVACE_COMFY_DIR="$comfy" WANVACE_COMFY_SKIPPED="$skip_reason" \
-        "$ROOT/.venvs/$set/bin/python" -m pytest "${TARGETS[@]}" -p no:cacheprovider -ra --durations=15 "${PARALLEL[@]}" "$@" \
+        "$venv/bin/python" -m pytest "${TARGETS[@]}" -p no:cacheprovider -ra --durations=15 "${PARALLEL[@]}" "$@" \
         2>&1 | tee "$logs/$set.log"
     rc=${PIPESTATUS[0]}
     # pytest's closing line: "=== 3 passed, 1 skipped in 9.1s ===", or without the rules under -q.

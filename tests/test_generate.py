@@ -5,6 +5,7 @@ size and length, the VACE modes' inputs, its refusals (naming the flag), and the
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -225,7 +226,9 @@ def test_the_readme_tiny_model_commands_run_as_written(tmp_path):
     (commands,) = [block.split("```")[0] for block in section.split("```bash\n")[1:] if "load.tiny" in block]
     assert ".venvs/current/bin/python" in commands and "/tmp/" in commands
     # /tmp/ first: a clone under /tmp has it in sys.executable too.
-    commands = commands.replace("/tmp/", f"{tmp_path}/").replace(".venvs/current/bin/python", sys.executable)
+    commands = commands.replace("/tmp/", f"{tmp_path}/").replace(
+        ".venvs/current/bin/python", shlex.quote(sys.executable)
+    )
     done = subprocess.run(
         ["bash", "-euo", "pipefail", "-c", commands],
         cwd=REPO,
