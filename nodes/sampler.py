@@ -14,7 +14,7 @@ from ..wanvace_core.generation.budget import (
     sampling_activation_bytes,
     validate_batched_cfg,
 )
-from ..wanvace_core.generation.sampling import validate_scheduler
+from ..wanvace_core.generation.schedules import validate_scheduler
 from ..wanvace_core.generation.windows import frames_per_call
 from ..wanvace_core.validation import nan_refusing_min
 from .memory import free_device_memory, set_working_memory

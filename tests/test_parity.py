@@ -166,3 +166,46 @@ def test_single_expert_wan21_folder_bitwise_equal(tiny_single_folder):
     ours = sample_latents(model, cond, SamplerSettings(seed=SEED, steps=STEPS, cfg=CFG, cfg_low_noise=CFG))
     their_latents, _ = _run_reference(reference, case, None)
     assert torch.equal(ours, their_latents)
+
+
+def _diffusers_scheduler(name: str, shift: float):
+    """The scheduler diffusers' own pipeline is given for each built-in name, built here from diffusers' classes."""
+    from diffusers import DEISMultistepScheduler, DPMSolverMultistepScheduler, FlowMatchLCMScheduler
+
+    flow = {"prediction_type": "flow_prediction", "use_flow_sigmas": True, "flow_shift": shift}
+    return {
+        "dpm++": lambda: DPMSolverMultistepScheduler(algorithm_type="dpmsolver++", solver_order=2, **flow),
+        "dpm++_sde": lambda: DPMSolverMultistepScheduler(algorithm_type="sde-dpmsolver++", solver_order=2, **flow),
+        "deis": lambda: DEISMultistepScheduler(**flow),
+        "lcm": lambda: FlowMatchLCMScheduler(shift=shift),
+    }[name]()
+
+
+def _with_generator(scheduler, seed: int):
+    """diffusers' pipeline steps without a generator; ours seeds the solver's fresh noise with seed + 1."""
+    generator = torch.Generator("cpu").manual_seed(seed + 1)
+    step = scheduler.step
+    scheduler.step = lambda *args, **kwargs: step(*args, generator=generator, **kwargs)
+    return scheduler
+
+
+@pytest.mark.parametrize("name", ["dpm++", "dpm++_sde", "deis", "lcm"])
+def test_each_built_in_solver_bitwise_equal_to_diffusers_pipeline_with_that_scheduler(
+    name, loaded_models, reference_pipelines
+):
+    model = loaded_models("fp32")
+    reference = reference_pipelines("fp32")
+    case = build_task("v2v")
+    cond = prepare_conditioning(model, VACEInputs(PROMPT, NEGATIVE, WIDTH, HEIGHT, LENGTH, **case.ours))
+    settings = SamplerSettings(seed=SEED, steps=STEPS, cfg=CFG, cfg_low_noise=CFG_LOW, shift=5.0, scheduler=name)
+    ours = sample_latents(model, cond, settings)
+    scheduler = _diffusers_scheduler(name, 5.0)
+    if name in ("dpm++_sde", "lcm"):
+        scheduler = _with_generator(scheduler, SEED)
+    original = reference.scheduler
+    try:
+        their_latents, _ = _run_reference(reference, case, 0.875, scheduler)
+    finally:
+        reference.scheduler = original
+    assert torch.isfinite(ours).all()
+    assert torch.equal(ours, their_latents[:, :, cond.num_reference_images :])

@@ -51,7 +51,7 @@ from . import (
     validate_vace_inputs,
 )
 from .generation.limits import SizeNames, check_size, size_limits_of_folder
-from .generation.sampling import timesteps_for
+from .generation.schedules import timesteps_for
 from .generation.tasks import MODES, Outpaint, task_inputs
 from .generation.windows import check_schedule_with_cache
 from .load.folder import read_safetensors_header

@@ -14,17 +14,26 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
 from diffusers.utils.torch_utils import randn_tensor
 
 from ..errors import WanVACEInputError
 from ..runtime.caching import CachedExperts, CacheOptions, CacheReport, ExpertRun
-from ..runtime.model import WanVACEModel, default_shift
+from ..runtime.model import WanVACEModel
 from ..runtime.plan import planned_run
 from ..validation import validate_finite, validate_integer
+from . import stepping
 from .conditioning import VACEConditioning
 from .guidance import BatchedGuidance, Guidance
 from .limits import check_frames, size_limits_of
+from .schedules import (
+    SCHEDULERS,
+    STOCHASTIC_SCHEDULERS,
+    step_sigmas,
+    takes_sigmas,
+    timesteps_for,
+    validate_scheduler,
+    validate_sigmas,
+)
 from .windows import (
     ContextWindowOptions,
     check_schedule_with_cache,
@@ -37,15 +46,13 @@ from .windows import (
 
 logger = logging.getLogger(__name__)
 
-SCHEDULERS = ("unipc", "euler")
-
-StepCallback = Callable[[int, int, torch.Tensor], None]
-"""Called after every step with (step index, total steps, latents); raising stops the run."""
+StepCallback = stepping.StepCallback
 
 
 @dataclass(frozen=True)
 class SamplerSettings:
-    """How to denoise. `boundary_ratio`/`shift` of None mean the model's own values."""
+    """How to denoise. `boundary_ratio`/`shift` of None mean the model's own values. `sigmas` (ComfyUI's SIGMAS, from
+    the first sigma down to 0) replaces the scheduler's own schedule; `steps` is then `len(sigmas) - 1`."""
 
     seed: int
     steps: int
@@ -54,6 +61,7 @@ class SamplerSettings:
     boundary_ratio: float | None = None
     shift: float | None = None
     scheduler: str = "unipc"
+    sigmas: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         steps = validate_integer("steps", self.steps, "use a whole number of steps; 20-40 is typical")
@@ -79,54 +87,20 @@ class SamplerSettings:
         if self.shift is not None and validate_finite("shift", self.shift, shift_fix) <= 0:
             raise WanVACEInputError(f"shift={self.shift} must be positive (3.0 for 480p, 5.0 for 720p).")
         validate_scheduler(self.scheduler)
-
-
-def validate_scheduler(name: str) -> None:
-    if name not in SCHEDULERS:
-        raise WanVACEInputError(f"scheduler={name!r} is unknown; choose one of {', '.join(SCHEDULERS)}.")
-
-
-def scheduler_from_config(scheduler_config: dict, name: str, shift: float | None):
-    """A fresh flow-matching scheduler (schedulers are stateful: one per run) for a pipeline's scheduler config
-    (`shift` None: the config's)."""
-    shift = default_shift(scheduler_config) if shift is None else shift
-    num_train_timesteps = int(scheduler_config.get("num_train_timesteps", 1000))
-    if name == "unipc":
-        config = dict(scheduler_config)
-        if config.get("_class_name") != "UniPCMultistepScheduler":
-            config = {"num_train_timesteps": num_train_timesteps}
-        config.update(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=shift)
-        return UniPCMultistepScheduler.from_config(config)
-    return FlowMatchEulerDiscreteScheduler(num_train_timesteps=num_train_timesteps, shift=shift)
-
-
-def scheduled_timesteps(model: WanVACEModel, settings: SamplerSettings):
-    """A fresh scheduler set to `settings.steps`, and its timesteps; refuses a schedule that repeats timesteps."""
-    return timesteps_for(model.scheduler_config, settings, model.device)
-
-
-def timesteps_for(scheduler_config: dict, settings: SamplerSettings, device: torch.device | str = "cpu"):
-    """`scheduled_timesteps` from a scheduler config alone (the offline command checks before it loads a model).
-
-    diffusers finds a scheduler's position from the timestep value, so a repeated timestep (a large
-    shift pushes the first ones onto 999, a tiny one the last ones onto 0) makes UniPC fail a bare
-    `assert` on its last step, Euler raise an IndexError, or silently step with the wrong sigmas.
-    """
-    scheduler = scheduler_from_config(scheduler_config, settings.scheduler, settings.shift)
-    scheduler.set_timesteps(settings.steps, device=device)
-    timesteps = scheduler.timesteps
-    if len(timesteps) != settings.steps or bool((timesteps[1:] >= timesteps[:-1]).any()):
-        shift = (
-            f"shift={settings.shift}"
-            if settings.shift is not None
-            else f"shift=None (the model's {default_shift(scheduler_config)})"
-        )
-        distinct = len(torch.unique(timesteps))
-        raise WanVACEInputError(
-            f"{shift} with steps={settings.steps} makes the {settings.scheduler} scheduler repeat timesteps "
-            f"({distinct} distinct of {settings.steps}); use a shift nearer 3.0 (480p) or 5.0 (720p), or fewer steps."
-        )
-    return scheduler, timesteps
+        if self.sigmas is None:
+            return
+        object.__setattr__(self, "sigmas", validate_sigmas(self.sigmas))
+        if steps != len(self.sigmas) - 1:
+            raise WanVACEInputError(
+                f"steps={self.steps} disagrees with the {len(self.sigmas)} sigmas ({len(self.sigmas) - 1} steps); "
+                "with sigmas, steps is their count less one."
+            )
+        if not takes_sigmas(self.scheduler):
+            usable = ", ".join(name for name in SCHEDULERS if takes_sigmas(name))
+            raise WanVACEInputError(
+                f"scheduler={self.scheduler!r} cannot step a given list of sigmas with this diffusers; set the "
+                f"scheduler to one of {usable}, or connect a SAMPLER (KSamplerSelect) to step them."
+            )
 
 
 @dataclass(frozen=True)
@@ -141,7 +115,7 @@ class SampleResult:
 class _ExpertPlan:
     boundary_timestep: float | None
 
-    def pick(self, model: WanVACEModel, t: torch.Tensor, settings: SamplerSettings):
+    def pick(self, model: WanVACEModel, t: torch.Tensor | float, settings: SamplerSettings):
         if self.boundary_timestep is None or t >= self.boundary_timestep:
             expert, guidance = model.transformer, settings.cfg
             if expert is None:
@@ -155,6 +129,11 @@ def _plan(model: WanVACEModel, settings: SamplerSettings) -> _ExpertPlan:
         return _ExpertPlan(boundary_timestep=None)
     ratio = model.boundary_ratio if settings.boundary_ratio is None else settings.boundary_ratio
     return _ExpertPlan(boundary_timestep=ratio * model.num_train_timesteps)
+
+
+def scheduled_timesteps(model: WanVACEModel, settings: SamplerSettings):
+    """A fresh scheduler set to `settings`, and its timesteps; refuses a schedule that repeats timesteps."""
+    return timesteps_for(model.scheduler_config, settings, model.device)
 
 
 def initial_noise_shape(model: WanVACEModel, cond: VACEConditioning) -> tuple[int, ...]:
@@ -197,11 +176,12 @@ def _check_conditioning_matches(model: WanVACEModel, cond: VACEConditioning) -> 
 
 
 def _expert_runs(
-    model: WanVACEModel, plan: _ExpertPlan, timesteps, settings: SamplerSettings, guidance: Guidance
+    model: WanVACEModel, plan: _ExpertPlan, call_timesteps, settings: SamplerSettings, guidance: Guidance
 ) -> list[ExpertRun]:
+    """Each expert's calls of the run (one per entry of `call_timesteps`), for cache-dit's per-expert contexts."""
     counts: dict[str, int] = {}
     scales: dict[str, float] = {}
-    for t in timesteps:
+    for t in call_timesteps:
         expert, scale = plan.pick(model, t, settings)
         attribute = "transformer" if expert is model.transformer else "transformer_2"
         counts[attribute] = counts.get(attribute, 0) + 1
@@ -219,6 +199,52 @@ def _before_window(position: int, between_windows: Callable[[], None] | None, ca
         cached.use_window(position)
 
 
+@dataclass(frozen=True)
+class _Predictor:
+    """One run's expert prediction (the velocity) at a step: the expert for its timestep, guidance, the VACE hints of
+    the step, and context windows. Both the built-in schedulers and an outside solver call it."""
+
+    model: WanVACEModel
+    cond: VACEConditioning
+    settings: SamplerSettings
+    plan: _ExpertPlan
+    guidance: Guidance
+    steps: int
+    windows: ContextWindowOptions | None
+    cached: CachedExperts | None
+    between_windows: Callable[[], None] | None
+
+    def __call__(self, index: int, t: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+        cond, cached = self.cond, self.cached
+        expert, scale = self.plan.pick(self.model, t, self.settings)
+        hints = cond.applies_hints_at(index, self.steps)
+        scale_of_hints = cond.conditioning_scale if hints else torch.zeros_like(cond.conditioning_scale)
+        common = {
+            "hidden_states": latents.to(self.model.transformer_dtype),
+            "timestep": t.expand(latents.shape[0]),
+            # Outside the VACE window the interleaved forward skips the VACE blocks (no control input); cache-dit's
+            # functor always runs them, so there the hints are weighted 0: both equal strength 0 bitwise.
+            "control_hidden_states": cond.conditioning_latents if hints or cached is not None else None,
+            "control_hidden_states_scale": scale_of_hints,
+            "return_dict": False,
+        }
+        if self.windows is None:
+            return self.guidance.predict(expert, scale, cond, common)
+        references = cond.num_reference_images
+        return windowed_prediction(
+            lambda inputs: self.guidance.predict(expert, scale, cond, inputs),
+            common,
+            plan_windows(self.windows, latents.shape[2] - references, index),
+            references,
+            lambda position: _before_window(position, self.between_windows, cached),
+        )
+
+
+def _denoised(latents: torch.Tensor, sigma: torch.Tensor, velocity: torch.Tensor) -> torch.Tensor:
+    """The flow-matching estimate of the clean latents, `x - sigma * v` (fp32)."""
+    return latents - sigma.to(latents.device, torch.float32) * velocity.float()
+
+
 @torch.no_grad()
 def sample(
     model: WanVACEModel,
@@ -230,18 +256,22 @@ def sample(
     batched_cfg: bool = False,
     windows: ContextWindowOptions | None = None,
     between_windows: Callable[[], None] | None = None,
+    stepper: stepping.Stepper | None = None,
 ) -> SampleResult:
     """Denoises `cond` with the dual-expert loop; `cache` turns on Cache-DiT for this run only (with `windows`, a
-    cache state per window).
+    cache state per window). `callback` gets the denoised estimate after every step.
 
     `batched_cfg` runs each guided step's two passes as one call of batch 2 (`BatchedGuidance`; a CFG-parallel
     `guidance` splits them over devices instead). A model whose experts run in parallel workers (`model.remote`)
     hands the whole run to them. `windows` denoises the video as overlapping context windows at every step
     (`windows.py`); a video no longer than one window runs as without them, bit for bit. `between_windows` runs
-    before each window (raising stops the run).
+    before each window (raising stops the run). `stepper` (an outside solver, `stepping.Stepper`) walks
+    `settings.sigmas` instead of the built-in scheduler.
     """
     if windows is not None and cache is not None:
         check_schedule_with_cache(windows.schedule)
+    if stepper is not None and settings.sigmas is None:
+        raise WanVACEInputError("an outside solver needs the schedule: connect SIGMAS (WanVACE Scheduler) as well.")
     # Before the first step: a size the model's RoPE table cannot hold fails deep inside it.
     check_frames(size_limits_of(model), cond.length, cond.num_reference_images, windows)
     if model.remote is not None:
@@ -249,6 +279,11 @@ def sample(
             raise WanVACEInputError(
                 "LoRAs are not supported yet with experts in parallel workers; disconnect the parallel input of the "
                 "loader, or the WanVACE LoRA Loader."
+            )
+        if stepper is not None:
+            raise WanVACEInputError(
+                "a SAMPLER cannot step experts in parallel workers yet; disconnect the sampler input (the connected "
+                "SIGMAS still work, stepped by the built-in euler) or the loader's parallel input."
             )
         latents, report = model.remote.sample(
             cond,
@@ -263,46 +298,63 @@ def sample(
     guidance = guidance or (BatchedGuidance() if batched_cfg else Guidance())
     _check_conditioning_matches(model, cond)
     scheduler, timesteps = scheduled_timesteps(model, settings)
+    sigmas = step_sigmas(scheduler)
     plan = _plan(model, settings)
-    runs = _expert_runs(model, plan, timesteps, settings, guidance)
+    call_timesteps = timesteps
+    if stepper is not None:
+        call_sigmas = stepper.call_sigmas(sigmas)
+        if call_sigmas is None and cache is not None:
+            raise WanVACEInputError(
+                "this SAMPLER decides its number of model calls as it runs (an adaptive solver), which step caching "
+                "needs to know before the run; disconnect the cache input, or choose a fixed-step sampler."
+            )
+        call_timesteps = [sigma * model.num_train_timesteps for sigma in call_sigmas or ()]
+    runs = _expert_runs(model, plan, call_timesteps, settings, guidance)
     cached = None if cache is None else CachedExperts(model, cache, runs)
-    latents = initial_noise(model, cond, settings.seed)
+    noise = initial_noise(model, cond, settings.seed)
     references = cond.num_reference_images
     if windows is not None:
-        check_windows(windows, latents.shape[2] - references, len(timesteps))
+        check_windows(windows, noise.shape[2] - references, len(timesteps))
         if windows.freenoise:
-            freenoise(latents[:, :, references:], windows, settings.seed)
-    dtype = model.transformer_dtype
-    no_hints = torch.zeros_like(cond.conditioning_scale)
+            freenoise(noise[:, :, references:], windows, settings.seed)
+    predict = _Predictor(model, cond, settings, plan, guidance, len(timesteps), windows, cached, between_windows)
     with planned_run(model, cached):
-        for index, t in enumerate(timesteps):
-            expert, scale = plan.pick(model, t, settings)
-            latent_input = latents.to(dtype)
-            timestep = t.expand(latents.shape[0])
-            hints = cond.applies_hints_at(index, len(timesteps))
-            common = {
-                "hidden_states": latent_input,
-                "timestep": timestep,
-                # Outside the VACE window the interleaved forward skips the VACE blocks (no control input); cache-dit's
-                # functor always runs them, so there the hints are weighted 0: both equal strength 0 bitwise.
-                "control_hidden_states": cond.conditioning_latents if hints or cached is not None else None,
-                "control_hidden_states_scale": cond.conditioning_scale if hints else no_hints,
-                "return_dict": False,
-            }
-            if windows is None:
-                noise_pred = guidance.predict(expert, scale, cond, common)
-            else:
-                noise_pred = windowed_prediction(
-                    lambda inputs, expert=expert, scale=scale: guidance.predict(expert, scale, cond, inputs),
-                    common,
-                    plan_windows(windows, latents.shape[2] - references, index),
-                    references,
-                    lambda position: _before_window(position, between_windows, cached),
-                )
-            latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
-            if callback is not None:
-                callback(index, len(timesteps), latents)
+        if stepper is None:
+            latents = _built_in_steps(predict, scheduler, timesteps, sigmas, noise, settings, callback)
+        else:
+            latents = _outside_steps(predict, stepper, sigmas, noise, settings, model.num_train_timesteps, callback)
         report = cached.report() if cached is not None else None
     if report is not None:
         logger.info("%s", report.text())
     return SampleResult(latents=latents[:, :, references:], cache_report=report)
+
+
+def _built_in_steps(predict, scheduler, timesteps, sigmas, latents, settings, callback):
+    if settings.sigmas is not None:
+        latents = latents * sigmas[0]  # ComfyUI starts a schedule below 1 from that much noise (x 1.0 is exact)
+    extra = {}
+    if settings.scheduler in STOCHASTIC_SCHEDULERS:
+        extra["generator"] = torch.Generator("cpu").manual_seed((settings.seed + 1) % 2**64)
+    for index, t in enumerate(timesteps):
+        velocity = predict(index, t, latents)
+        denoised = None if callback is None else _denoised(latents, sigmas[index], velocity)
+        latents = scheduler.step(velocity, t, latents, return_dict=False, **extra)[0]
+        if callback is not None:
+            callback(index, len(timesteps), denoised)
+    return latents
+
+
+def _outside_steps(predict, stepper, sigmas, noise, settings, num_train_timesteps, callback):
+    current = {"index": 0}
+
+    def denoiser(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        sigma = sigma.reshape(-1)[0].to("cpu", torch.float32)
+        current["index"] = stepping.step_index_at(sigmas, float(sigma), current["index"])
+        t = (sigma * num_train_timesteps).to(x.device)
+        return _denoised(x, sigma, predict(current["index"], t, x))
+
+    def on_step(index: int, total: int, denoised: torch.Tensor) -> None:
+        if callback is not None:
+            callback(index, total, denoised)
+
+    return stepper.run(denoiser, noise, sigmas, settings.seed, on_step)

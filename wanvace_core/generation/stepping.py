@@ -1,0 +1,46 @@
+"""An outside solver stepping the dual-expert denoiser: how ComfyUI's SAMPLER (adapted by the node layer, since the
+core never imports ComfyUI) drives `sample`.
+
+The solver sees the model as ComfyUI's samplers see every model, a denoiser `x0 = D(x, sigma)` of the flow-matching
+latent `x = (1 - sigma) x0 + sigma noise`; behind it `sample` picks the expert by sigma, runs guidance, VACE, windows,
+cache and LoRA as its own loop does, and turns the expert's velocity into `x - sigma * v`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+Denoiser = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""`(x, sigma) -> x0`: x fp32 `[1, C, T, h, w]` (reference frames first), sigma a 0-d or `[1]` tensor; x0 fp32."""
+
+StepCallback = Callable[[int, int, torch.Tensor], None]
+"""Called after every step with (step index, total steps, the denoised estimate x0 `[1, C, T, h, w]`, reference frames
+first); raising stops the run."""
+
+
+class Stepper(Protocol):
+    """A solver that walks a schedule of sigmas with a `Denoiser`."""
+
+    def call_sigmas(self, sigmas: torch.Tensor) -> tuple[float, ...] | None:
+        """The sigma of every denoiser call a run over `sigmas` makes, in order, or None where that depends on the
+        predictions (an adaptive solver). Step caching needs each expert's call count before the run."""
+        ...
+
+    def run(
+        self, denoiser: Denoiser, noise: torch.Tensor, sigmas: torch.Tensor, seed: int, on_step: StepCallback
+    ) -> torch.Tensor:
+        """The clean latents from unit Gaussian `noise` (the run scales it to the first sigma) over `sigmas` (fp32,
+        ending at 0). `seed` seeds any noise the solver adds; `on_step` after every step."""
+        ...
+
+
+def step_index_at(sigmas: torch.Tensor, sigma: float, previous: int) -> int:
+    """The schedule step a denoiser call at `sigma` belongs to: the step whose sigma it is (within float rounding),
+    else, for a solver's intermediate call between two steps, the step before it (`previous`), as ComfyUI's context
+    windows count steps."""
+    matches = torch.isclose(sigmas[:-1], torch.tensor(float(sigma), dtype=sigmas.dtype), rtol=1e-4, atol=0.0)
+    found = matches.nonzero()
+    return int(found[0, 0]) if len(found) else previous
