@@ -209,3 +209,48 @@ def test_each_built_in_solver_bitwise_equal_to_diffusers_pipeline_with_that_sche
         reference.scheduler = original
     assert torch.isfinite(ours).all()
     assert torch.equal(ours, their_latents[:, :, cond.num_reference_images :])
+
+
+def test_each_step_reports_the_denoised_estimate_of_diffusers_trajectory(loaded_models, reference_pipelines):
+    """Flow-matching Euler steps x_next = x + (sigma_next - sigma) v, so diffusers' own trajectory gives each step's
+    velocity, and the estimate the callback must report is x - sigma v (the formula ComfyUI's CONST sampling uses)."""
+    model = loaded_models("fp32")
+    reference = reference_pipelines("fp32")
+    case = build_task("t2v")
+    cond = prepare_conditioning(model, VACEInputs(PROMPT, NEGATIVE, WIDTH, HEIGHT, LENGTH, **case.ours))
+    reported = []
+    sample(
+        model,
+        cond,
+        SamplerSettings(seed=SEED, steps=STEPS, cfg=CFG, cfg_low_noise=CFG_LOW, shift=5.0, scheduler="euler"),
+        callback=lambda index, total, denoised: reported.append(denoised.clone()),
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=5.0)
+    trajectory = [torch.randn(1, 16, 3, HEIGHT // 8, WIDTH // 8, generator=torch.Generator("cpu").manual_seed(SEED))]
+    original = reference.scheduler
+    try:
+        reference.register_to_config(boundary_ratio=0.875)
+        reference.scheduler = scheduler
+        reference(
+            prompt=PROMPT,
+            negative_prompt=NEGATIVE,
+            height=HEIGHT,
+            width=WIDTH,
+            num_frames=LENGTH,
+            num_inference_steps=STEPS,
+            guidance_scale=CFG,
+            guidance_scale_2=CFG_LOW,
+            generator=torch.Generator("cpu").manual_seed(SEED),
+            output_type="latent",
+            callback_on_step_end=lambda _p, _i, _t, kwargs: trajectory.append(kwargs["latents"]) or {},
+            **case.theirs,
+        )
+    finally:
+        reference.scheduler = original
+    sigmas = scheduler.sigmas
+    assert len(reported) == STEPS and trajectory[0].shape == reported[0].shape
+    for index, denoised in enumerate(reported):
+        x, x_next = trajectory[index], trajectory[index + 1]
+        velocity = (x_next - x) / (sigmas[index + 1] - sigmas[index])
+        torch.testing.assert_close(denoised, x - sigmas[index] * velocity, rtol=1e-4, atol=1e-4)
+    assert torch.equal(reported[-1], trajectory[-1]), "the last step lands on its own estimate (sigma 0)"

@@ -23,7 +23,7 @@ from wanvace_core import to_vae_space
 
 REPO = Path(__file__).resolve().parents[1]
 REFERENCES, FRAMES, HEIGHT, WIDTH, STEPS = 2, 3, 6, 8, 2
-METHODS = ("latent2rgb", "auto", "none")
+METHODS = ("latent2rgb", "auto", "none", "taesd")
 
 
 # --- the ComfyUI side (runs in the subprocess) -------------------------------------------------------------
@@ -60,6 +60,7 @@ def _preview_in_comfyui(in_file: str, out_file: str) -> None:
         calls.append(record)
 
     comfy.utils.set_progress_bar_global_hook(hook)
+    lighttae = _random_lighttae(Path(out_file).parent / "vae_approx")
     model = SimpleNamespace(device=torch.device("cpu"))
     conditioning = SimpleNamespace(num_reference_images=REFERENCES)
     results = {}
@@ -75,12 +76,42 @@ def _preview_in_comfyui(in_file: str, out_file: str) -> None:
     torch.save(
         {
             "calls": results,
+            "lighttae": [_lighttae_image(lighttae, latents[:, :, REFERENCES:]) for latents in inputs["steps"]],
             "factors": torch.tensor(wan21.latent_rgb_factors),
             "bias": None if wan21.latent_rgb_factors_bias is None else torch.tensor(wan21.latent_rgb_factors_bias),
             "process_in": wan21.process_in(inputs["raw"]),
         },
         out_file,
     )
+
+
+def _random_lighttae(folder: Path) -> Path:
+    """A random-weight LightTAE for Wan 2.1 (ComfyUI's own TAEHV module) in a vae_approx folder ComfyUI searches.
+    Stored as fp32: ComfyUI reads a float16 file of this layout as HunyuanVideo's taehv."""
+    import comfy.taesd.taehv
+    import folder_paths
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    module = comfy.taesd.taehv.TAEHV(latent_channels=16)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "lighttaew2_1.safetensors"
+    save_file({name: value.contiguous() for name, value in module.state_dict().items()}, str(path))
+    folder_paths.add_model_folder_path("vae_approx", str(folder))
+    return path
+
+
+def _lighttae_image(path: Path, x0: torch.Tensor) -> torch.Tensor:
+    """What ComfyUI's own TAEHV previewer draws for `x0` (the video's latents, reference frames removed)."""
+    import comfy.sd
+    import comfy.utils
+    import latent_preview
+
+    vae = comfy.sd.VAE(comfy.utils.load_torch_file(str(path)))
+    vae.first_stage_model.show_progress_bar = False
+    image = latent_preview.TAEHVPreviewerImpl(vae).decode_latent_to_preview(x0)
+    pixels = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8)
+    return pixels.view(image.height, image.width, len(image.getbands()))
 
 
 # --- the pytest side -------------------------------------------------------------------------------------
@@ -139,6 +170,16 @@ def test_each_step_previews_the_latent2rgb_image_of_the_first_video_frame(method
         assert (image.int() - with_references.int()).abs().max() > 1  # the reference frames were dropped
     first, second = (call["image"] for call in calls)
     assert not torch.equal(first, second)  # each step's own latents
+
+
+def test_taesd_previews_through_lighttae_when_its_file_is_in_vae_approx(comfy_previews):
+    inputs, out = comfy_previews
+    calls = out["calls"]["taesd"]
+    assert [(call["value"], call["total"]) for call in calls] == [(i + 1, STEPS) for i in range(STEPS)]
+    for call, expected in zip(calls, out["lighttae"], strict=True):
+        assert call["format"] == "JPEG"
+        assert call["image"].shape == expected.shape and call["image"].shape[:2] == (HEIGHT * 8, WIDTH * 8)
+        assert torch.equal(call["image"], expected)
 
 
 def test_no_preview_with_method_none(comfy_previews):

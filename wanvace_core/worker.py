@@ -202,11 +202,11 @@ class Rank:
         windows = None if request.get("windows") is None else ContextWindowOptions(**request["windows"])
         steps = [0]
 
-        def callback(index: int, total: int, latents: torch.Tensor) -> None:
+        def callback(index: int, total: int, denoised: torch.Tensor) -> None:
             steps[0] = index + 1
             if self.rank == 0:
                 try:
-                    conn.send_bytes(messages.encode("progress", index=index, total=total, latents=latents.cpu()))
+                    conn.send_bytes(messages.encode("progress", index=index, total=total, denoised=denoised.cpu()))
                     stop = _cancel_requested(conn)
                 except (EOFError, OSError):
                     stop = True  # ComfyUI went away: every rank stops at this step, then the session releases

@@ -321,7 +321,7 @@ class RemoteExperts:
                     break
                 if callback is not None and stopping is None:
                     try:
-                        callback(message["index"], message["total"], message["latents"])
+                        callback(message["index"], message["total"], message["denoised"])
                     except BaseException as error:  # ComfyUI's cancel: stop the workers within a step
                         stopping = error
                         self.conn.send_bytes(messages.encode("cancel"))
