@@ -173,7 +173,7 @@ def test_each_step_previews_the_latent2rgb_image_of_the_first_video_frame(method
 
 
 def test_taesd_previews_through_lighttae_when_its_file_is_in_vae_approx(comfy_previews):
-    inputs, out = comfy_previews
+    _inputs, out = comfy_previews
     calls = out["calls"]["taesd"]
     assert [(call["value"], call["total"]) for call in calls] == [(i + 1, STEPS) for i in range(STEPS)]
     for call, expected in zip(calls, out["lighttae"], strict=True):
