@@ -32,7 +32,7 @@ from diffusers import AutoencoderKLWan
 
 from .errors import WanVACEError
 from .generation.conditioning import VACEConditioning
-from .generation.guidance import BatchedGuidance, ParallelGuidance
+from .generation.guidance import BatchedGuidance, GuidanceOptions, ParallelGuidance
 from .generation.sampling import SamplerSettings, sample
 from .generation.windows import ContextWindowOptions
 from .load.loaded import LoadedPipeline
@@ -200,6 +200,7 @@ class Rank:
         settings = SamplerSettings(**request["settings"])
         cache = None if request["cache"] is None else CacheOptions.from_plain(request["cache"])
         windows = None if request.get("windows") is None else ContextWindowOptions(**request["windows"])
+        rules = None if request.get("rules") is None else GuidanceOptions.from_plain(request["rules"])
         steps = [0]
 
         def callback(index: int, total: int, denoised: torch.Tensor) -> None:
@@ -220,7 +221,14 @@ class Rank:
             # CFG parallel already gives each pass its own devices; batching applies where it does not.
             guidance = loaded.guidance or (BatchedGuidance() if request["batched_cfg"] else None)
             result = sample(
-                loaded.model, cond, settings, callback=callback, cache=cache, guidance=guidance, windows=windows
+                loaded.model,
+                cond,
+                settings,
+                callback=callback,
+                cache=cache,
+                guidance=guidance,
+                windows=windows,
+                rules=rules,
             )
         finally:
             self.decided_steps = steps[0]  # rank 0 deletes the decisions once every rank has answered

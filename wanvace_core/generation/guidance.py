@@ -1,19 +1,146 @@
 """How one step's prediction is made from an expert: both CFG passes here, or (CFG parallel) each branch on its
-own half of the worker devices, combined on both halves."""
+own half of the worker devices; and how the two are combined (plain CFG, CFG-Zero*, APG), once, on the whole video.
+
+The combination rules, each checked against an outside formula in tests/test_guidance.py:
+- plain CFG: `uncond + scale * (cond - uncond)`.
+- CFG-Zero* (Fan et al. 2025, arXiv 2503.18886, Eq. 6-8, the form diffusers' `ClassifierFreeZeroStarGuidance`
+  computes): the unconditional velocity is first scaled by `alpha = <cond, uncond> / |uncond|^2` (per sample), and
+  the first `zero_init_steps` steps predict zero velocity.
+- APG (Sadat et al. 2024, arXiv 2410.02416, Alg. 1, as ComfyUI's APG node and diffusers' `normalized_guidance` with
+  `use_original_formulation`): on the denoised estimates `x0 = x - sigma v`, the guidance difference is
+  accumulated with `momentum`, clamped to `norm_threshold`, split into its parts parallel and orthogonal to the
+  conditional estimate (norms over each channel's frames, height and width), the parallel part weighted by `eta`,
+  and added `scale` times to the conditional estimate.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from ..errors import WanVACEInputError
+from ..validation import validate_finite, validate_integer
 from .conditioning import VACEConditioning
 
 
-class Guidance:
-    """How one step's prediction is made from the expert: cond, then uncond when the scale is above 1.0.
+@dataclass(frozen=True)
+class APGOptions:
+    """Adaptive projected guidance for one expert."""
 
-    `sample` asks this for every step; a CFG-parallel run replaces it (`ParallelGuidance`) with one that
-    computes each branch on its own devices. Both combine `uncond + scale * (cond - uncond)` in the same order.
+    eta: float = 1.0
+    norm_threshold: float = 5.0
+    momentum: float = 0.0
+
+    def __post_init__(self) -> None:
+        validate_finite("apg_eta", self.eta, "use a value like 1.0 (0 drops the parallel part)")
+        threshold = validate_finite("apg_norm_threshold", self.norm_threshold, "use 0 (off) or a value like 5.0")
+        if threshold < 0:
+            raise WanVACEInputError(f"apg_norm_threshold={self.norm_threshold} must be 0 (no clamp) or positive.")
+        momentum = validate_finite("apg_momentum", self.momentum, "use a value in [-1, 1), like -0.5, or 0 (off)")
+        if not -1.0 <= momentum < 1.0:
+            raise WanVACEInputError(f"apg_momentum={self.momentum} must lie in [-1, 1); 0 turns momentum off.")
+
+
+@dataclass(frozen=True)
+class ExpertGuidance:
+    """How one expert's two predictions combine; the defaults are plain CFG."""
+
+    cfg_zero_star: bool = False
+    zero_init_steps: int = 0
+    apg: APGOptions | None = None
+
+    def __post_init__(self) -> None:
+        steps = validate_integer("zero_init_steps", self.zero_init_steps, "use a whole number, 0 or more (1 typical)")
+        if steps < 0:
+            raise WanVACEInputError(f"zero_init_steps={self.zero_init_steps} must be 0 or more.")
+        if self.cfg_zero_star and self.apg is not None:
+            raise WanVACEInputError(
+                "CFG-Zero* and APG are both on for one expert; they are two different rules for the same "
+                "combination: turn one off."
+            )
+
+    @property
+    def plain(self) -> bool:
+        return not self.cfg_zero_star and self.apg is None and self.zero_init_steps == 0
+
+    @classmethod
+    def from_plain(cls, fields: dict) -> ExpertGuidance:
+        apg = fields.get("apg")
+        return cls(**{**fields, "apg": None if apg is None else APGOptions(**apg)})
+
+
+@dataclass(frozen=True)
+class GuidanceOptions:
+    """The guidance of both experts (a single-expert model uses `high_noise`)."""
+
+    high_noise: ExpertGuidance = field(default_factory=ExpertGuidance)
+    low_noise: ExpertGuidance = field(default_factory=ExpertGuidance)
+
+    @classmethod
+    def from_plain(cls, fields: dict) -> GuidanceOptions:
+        return cls(**{name: ExpertGuidance.from_plain(value) for name, value in fields.items()})
+
+
+def combine(
+    rule: ExpertGuidance,
+    running: dict[str, torch.Tensor],
+    expert: str,
+    cond: torch.Tensor,
+    uncond: torch.Tensor,
+    scale: float,
+    step: int,
+    latents: torch.Tensor,
+    sigma: torch.Tensor,
+) -> torch.Tensor:
+    """The guided velocity from the two velocities of one step of `expert` (`latents` and `sigma` for the rules that
+    work on the denoised estimate). `running` is what a rule keeps between one run's steps (APG's momentum)."""
+    if rule.plain:
+        return uncond + scale * (cond - uncond)
+    if step < rule.zero_init_steps:
+        return torch.zeros_like(cond)
+    if rule.cfg_zero_star:
+        return _cfg_zero_star(cond, uncond, scale)
+    if rule.apg is not None:
+        return _apg(rule.apg, running, expert, cond, uncond, scale, latents, sigma)
+    return uncond + scale * (cond - uncond)
+
+
+def _cfg_zero_star(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
+    flat_cond, flat_uncond = cond.flatten(1).float(), uncond.flatten(1).float()
+    alpha = (flat_cond * flat_uncond).sum(1, keepdim=True) / (flat_uncond.pow(2).sum(1, keepdim=True) + 1e-8)
+    alpha = alpha.view(-1, *([1] * (cond.dim() - 1))).to(uncond.dtype)
+    uncond = uncond * alpha
+    return uncond + scale * (cond - uncond)
+
+
+def _apg(options, running, key, cond, uncond, scale, latents, sigma) -> torch.Tensor:
+    sigma = sigma.to(latents.device, torch.float32)
+    cond_x0 = latents - sigma * cond.float()
+    uncond_x0 = latents - sigma * uncond.float()
+    difference = cond_x0 - uncond_x0
+    if options.momentum != 0.0:
+        previous = running.get(key)
+        difference = difference if previous is None else options.momentum * previous + difference
+        running[key] = difference
+    dims = (-1, -2, -3)  # each channel over frames, height and width
+    if options.norm_threshold > 0:
+        norm = difference.norm(p=2, dim=dims, keepdim=True)
+        difference = difference * torch.minimum(torch.ones_like(norm), options.norm_threshold / norm)
+    unit = torch.nn.functional.normalize(cond_x0.double(), dim=dims)
+    parallel = (difference.double() * unit).sum(dim=dims, keepdim=True) * unit
+    orthogonal = difference.double() - parallel
+    update = (orthogonal + options.eta * parallel).to(cond_x0.dtype)
+    guided_x0 = cond_x0 + scale * update
+    return ((latents - guided_x0) / sigma).to(cond.dtype)
+
+
+class Guidance:
+    """How one step's predictions are made from the expert: cond, then uncond when the scale is above 1.0.
+
+    `sample` asks this for every step and combines the two (`combine`); a CFG-parallel run replaces it
+    (`ParallelGuidance`) with one that computes each branch on its own devices.
     """
 
     def calls_per_step(self, scale: float) -> int:
@@ -21,13 +148,22 @@ class Guidance:
         return 2 if scale > 1.0 else 1
 
     def predict(self, expert, scale: float, cond: VACEConditioning, common: dict) -> torch.Tensor:
+        """The plain-CFG prediction (`branches`, combined)."""
+        both = self.branches(expert, scale, cond, common)
+        if scale <= 1.0:
+            return both
+        noise_pred, noise_uncond = both.chunk(2)
+        return noise_uncond + scale * (noise_pred - noise_uncond)
+
+    def branches(self, expert, scale: float, cond: VACEConditioning, common: dict) -> torch.Tensor:
+        """The conditional prediction, and (scale above 1.0) the unconditional one after it on the batch dim."""
         with expert.cache_context("cond"):
             noise_pred = expert(encoder_hidden_states=cond.prompt_embeds, **common)[0]
-        if scale > 1.0:
-            with expert.cache_context("uncond"):
-                noise_uncond = expert(encoder_hidden_states=cond.negative_prompt_embeds, **common)[0]
-                noise_pred = noise_uncond + scale * (noise_pred - noise_uncond)
-        return noise_pred
+        if scale <= 1.0:
+            return noise_pred
+        with expert.cache_context("uncond"):
+            noise_uncond = expert(encoder_hidden_states=cond.negative_prompt_embeds, **common)[0]
+        return torch.cat([noise_pred, noise_uncond])
 
 
 class BatchedGuidance(Guidance):
@@ -38,17 +174,16 @@ class BatchedGuidance(Guidance):
     def calls_per_step(self, scale: float) -> int:
         return 1
 
-    def predict(self, expert, scale: float, cond: VACEConditioning, common: dict) -> torch.Tensor:
+    def branches(self, expert, scale: float, cond: VACEConditioning, common: dict) -> torch.Tensor:
         if scale <= 1.0:
-            return super().predict(expert, scale, cond, common)
+            return super().branches(expert, scale, cond, common)
         doubled = {
             name: torch.cat([value, value]) if name in _BATCHED_INPUTS and value is not None else value
             for name, value in common.items()
         }
         texts = torch.cat([cond.prompt_embeds, cond.negative_prompt_embeds])
         with expert.cache_context("cond"):
-            noise_pred, noise_uncond = expert(encoder_hidden_states=texts, **doubled)[0].chunk(2)
-        return noise_uncond + scale * (noise_pred - noise_uncond)
+            return expert(encoder_hidden_states=texts, **doubled)[0]
 
 
 _BATCHED_INPUTS = ("hidden_states", "timestep", "control_hidden_states")
@@ -57,8 +192,8 @@ _BATCHED_INPUTS = ("hidden_states", "timestep", "control_hidden_states")
 class ParallelGuidance(Guidance):
     """Branch 0 computes the conditional prediction, branch 1 the unconditional one; peers swap them.
 
-    Both halves then combine `uncond + scale * (cond - uncond)` exactly as one device does, so the latents
-    stay identical on every rank. At scale 1.0 there is no unconditional branch: both halves compute the
+    Both halves then hold both predictions and combine them exactly as one device does, so the latents stay
+    identical on every rank. At scale 1.0 there is no unconditional branch: both halves compute the
     conditional prediction (the same numbers, no exchange needed).
     """
 
@@ -69,7 +204,7 @@ class ParallelGuidance(Guidance):
     def calls_per_step(self, scale: float) -> int:
         return 1
 
-    def predict(self, expert, scale: float, cond: VACEConditioning, common: dict) -> torch.Tensor:
+    def branches(self, expert, scale: float, cond: VACEConditioning, common: dict) -> torch.Tensor:
         if scale <= 1.0 or self.branch == 0:
             with expert.cache_context("cond"):
                 mine = expert(encoder_hidden_states=cond.prompt_embeds, **common)[0]
@@ -82,5 +217,4 @@ class ParallelGuidance(Guidance):
         local = mine.to("cpu")
         both = [torch.empty_like(local), torch.empty_like(local)]
         self.peers.allgather([both], [local]).wait()
-        noise_pred, noise_uncond = (tensor.to(mine.device) for tensor in both)
-        return noise_uncond + scale * (noise_pred - noise_uncond)
+        return torch.cat(both).to(mine.device)

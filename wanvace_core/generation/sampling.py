@@ -9,6 +9,7 @@ are cast to the transformer dtype for each call, as diffusers does, so results m
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from ..runtime.plan import planned_run
 from ..validation import validate_finite, validate_integer
 from . import stepping
 from .conditioning import VACEConditioning
-from .guidance import BatchedGuidance, Guidance
+from .guidance import BatchedGuidance, Guidance, GuidanceOptions, combine
 from .limits import check_frames, size_limits_of
 from .schedules import (
     SCHEDULERS,
@@ -213,8 +214,10 @@ class _Predictor:
     windows: ContextWindowOptions | None
     cached: CachedExperts | None
     between_windows: Callable[[], None] | None
+    rules: GuidanceOptions
+    running: dict = dataclasses.field(default_factory=dict)
 
-    def __call__(self, index: int, t: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+    def __call__(self, index: int, t: torch.Tensor, latents: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
         cond, cached = self.cond, self.cached
         expert, scale = self.plan.pick(self.model, t, self.settings)
         hints = cond.applies_hints_at(index, self.steps)
@@ -229,15 +232,25 @@ class _Predictor:
             "return_dict": False,
         }
         if self.windows is None:
-            return self.guidance.predict(expert, scale, cond, common)
-        references = cond.num_reference_images
-        return windowed_prediction(
-            lambda inputs: self.guidance.predict(expert, scale, cond, inputs),
-            common,
-            plan_windows(self.windows, latents.shape[2] - references, index),
-            references,
-            lambda position: _before_window(position, self.between_windows, cached),
-        )
+            predictions = self.guidance.branches(expert, scale, cond, common)
+        else:
+            # Each branch is fused over the windows first, then combined once on the whole video (as ComfyUI does):
+            # the rules other than plain CFG do not commute with the fusion.
+            references = cond.num_reference_images
+            predictions = windowed_prediction(
+                lambda inputs: self.guidance.branches(expert, scale, cond, inputs),
+                common,
+                plan_windows(self.windows, latents.shape[2] - references, index),
+                references,
+                lambda position: _before_window(position, self.between_windows, cached),
+            )
+        if scale <= 1.0:
+            return predictions
+        high_noise = expert is self.model.transformer or self.model.transformer is None
+        rule = self.rules.high_noise if high_noise else self.rules.low_noise
+        noise_pred, noise_uncond = predictions.chunk(2)
+        name = "transformer" if high_noise else "transformer_2"
+        return combine(rule, self.running, name, noise_pred, noise_uncond, scale, index, latents, sigma)
 
 
 def _denoised(latents: torch.Tensor, sigma: torch.Tensor, velocity: torch.Tensor) -> torch.Tensor:
@@ -257,6 +270,7 @@ def sample(
     windows: ContextWindowOptions | None = None,
     between_windows: Callable[[], None] | None = None,
     stepper: stepping.Stepper | None = None,
+    rules: GuidanceOptions | None = None,
 ) -> SampleResult:
     """Denoises `cond` with the dual-expert loop; `cache` turns on Cache-DiT for this run only (with `windows`, a
     cache state per window). `callback` gets the denoised estimate after every step.
@@ -265,13 +279,12 @@ def sample(
     `guidance` splits them over devices instead). A model whose experts run in parallel workers (`model.remote`)
     hands the whole run to them. `windows` denoises the video as overlapping context windows at every step
     (`windows.py`); a video no longer than one window runs as without them, bit for bit. `between_windows` runs
-    before each window (raising stops the run). `stepper` (an outside solver, `stepping.Stepper`) walks
-    `settings.sigmas` instead of the built-in scheduler.
+    before each window (raising stops the run). `stepper` (an outside solver, `stepping.Stepper`) steps instead of
+    the built-in scheduler, over `settings.sigmas` or else the built-in scheduler's sigmas. `rules` says how each
+    expert's two predictions combine (plain CFG where None).
     """
     if windows is not None and cache is not None:
         check_schedule_with_cache(windows.schedule)
-    if stepper is not None and settings.sigmas is None:
-        raise WanVACEInputError("an outside solver needs the schedule: connect SIGMAS (WanVACE Scheduler) as well.")
     # Before the first step: a size the model's RoPE table cannot hold fails deep inside it.
     check_frames(size_limits_of(model), cond.length, cond.num_reference_images, windows)
     if model.remote is not None:
@@ -293,6 +306,7 @@ def sample(
             tokens=sequence_length(model, cond, windows),
             batched_cfg=batched_cfg,
             windows=windows,
+            rules=rules,
         )
         return SampleResult(latents=latents, cache_report=None if report is None else CacheReport.from_plain(report))
     guidance = guidance or (BatchedGuidance() if batched_cfg else Guidance())
@@ -317,7 +331,8 @@ def sample(
         check_windows(windows, noise.shape[2] - references, len(timesteps))
         if windows.freenoise:
             freenoise(noise[:, :, references:], windows, settings.seed)
-    predict = _Predictor(model, cond, settings, plan, guidance, len(timesteps), windows, cached, between_windows)
+    rules = rules or GuidanceOptions()
+    predict = _Predictor(model, cond, settings, plan, guidance, len(timesteps), windows, cached, between_windows, rules)
     with planned_run(model, cached):
         if stepper is None:
             latents = _built_in_steps(predict, scheduler, timesteps, sigmas, noise, settings, callback)
@@ -336,7 +351,7 @@ def _built_in_steps(predict, scheduler, timesteps, sigmas, latents, settings, ca
     if settings.scheduler in STOCHASTIC_SCHEDULERS:
         extra["generator"] = torch.Generator("cpu").manual_seed((settings.seed + 1) % 2**64)
     for index, t in enumerate(timesteps):
-        velocity = predict(index, t, latents)
+        velocity = predict(index, t, latents, sigmas[index])
         denoised = None if callback is None else _denoised(latents, sigmas[index], velocity)
         latents = scheduler.step(velocity, t, latents, return_dict=False, **extra)[0]
         if callback is not None:
@@ -351,7 +366,7 @@ def _outside_steps(predict, stepper, sigmas, noise, settings, num_train_timestep
         sigma = sigma.reshape(-1)[0].to("cpu", torch.float32)
         current["index"] = stepping.step_index_at(sigmas, float(sigma), current["index"])
         t = (sigma * num_train_timesteps).to(x.device)
-        return _denoised(x, sigma, predict(current["index"], t, x))
+        return _denoised(x, sigma, predict(current["index"], t, x, sigma))
 
     def on_step(index: int, total: int, denoised: torch.Tensor) -> None:
         if callback is not None:

@@ -294,12 +294,14 @@ class RemoteExperts:
         tokens: int,
         batched_cfg: bool = False,
         windows=None,
+        rules=None,
     ) -> tuple[torch.Tensor, dict | None]:
         """Runs `sample` in the workers: (latents, the cache report's fields or None).
 
         `cond`, `settings` and `cache` are the sampler's dataclasses (`cache` may be None); `tokens` is the run's
         sequence length (checked against Ulysses); `batched_cfg` batches the CFG passes where the workers do not split
-        them (cfg_parallel); `windows` (the sampler's context-window options, or None) run inside the workers.
+        them (cfg_parallel); `windows` (the sampler's context-window options, or None) run inside the workers, and so do
+        `rules` (the guidance options, or None).
         """
         self.options.check_guidance(settings.cfg, settings.cfg_low_noise)
         self.options.check_tokens(tokens)
@@ -311,6 +313,7 @@ class RemoteExperts:
             "cache": None if cache is None else messages.plain(cache),
             "batched_cfg": batched_cfg,
             "windows": None if windows is None else messages.plain(windows),
+            "rules": None if rules is None else messages.plain(rules),
         }
         try:
             self.conn.send_bytes(messages.encode("sample", **fields))
