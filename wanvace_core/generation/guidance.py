@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import WanVACEInputError
+from ..runtime.attention_guidance import NAGOptions
 from ..validation import validate_finite, validate_integer
 from .conditioning import VACEConditioning
 
@@ -73,14 +74,30 @@ class ExpertGuidance:
 
 @dataclass(frozen=True)
 class GuidanceOptions:
-    """The guidance of both experts (a single-expert model uses `high_noise`)."""
+    """The guidance of both experts (a single-expert model uses `high_noise`), and the guidance inside the experts:
+    NAG on the experts that run at cfg 1, RIFLEx's component (0 = off) on both."""
 
     high_noise: ExpertGuidance = field(default_factory=ExpertGuidance)
     low_noise: ExpertGuidance = field(default_factory=ExpertGuidance)
+    nag: NAGOptions | None = None
+    riflex_index: int = 0
+
+    def __post_init__(self) -> None:
+        index = validate_integer("riflex_index", self.riflex_index, "use 0 (off), -1 (auto) or a component like 6")
+        if index < -1:
+            raise WanVACEInputError(
+                f"riflex_index={self.riflex_index} must be 0 (off), -1 (from the frame count) or a component like 6."
+            )
 
     @classmethod
     def from_plain(cls, fields: dict) -> GuidanceOptions:
-        return cls(**{name: ExpertGuidance.from_plain(value) for name, value in fields.items()})
+        nag = fields.get("nag")
+        return cls(
+            high_noise=ExpertGuidance.from_plain(fields["high_noise"]),
+            low_noise=ExpertGuidance.from_plain(fields["low_noise"]),
+            nag=None if nag is None else NAGOptions(**nag),
+            riflex_index=fields.get("riflex_index", 0),
+        )
 
 
 def combine(

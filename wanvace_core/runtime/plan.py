@@ -65,7 +65,7 @@ from .regional_compile import apply_regional_compile, check_regional_compile, co
 logger = logging.getLogger(__name__)
 
 EXPERT_STEPS = ("interleaved_vace", "ulysses", "fsdp", "residency", "fp8_matmul", "attention", "compile")
-RUN_STEPS = ("settle", "loras", "cache", "compiled_cache")
+RUN_STEPS = ("settle", "loras", "guidance", "cache", "compiled_cache")
 
 
 @dataclass(frozen=True)
@@ -279,28 +279,29 @@ def attach_offload(
 
 
 @contextlib.contextmanager
-def planned_run(model: WanVACEModel, cache=None) -> Iterator[None]:
+def planned_run(model: WanVACEModel, cache=None, guidance=None) -> Iterator[None]:
     """`RUN_STEPS` around one sampling run: entered in that order, left in reverse, also on an error or a cancel.
 
-    `cache` is the run's `caching.CachedExperts` (or None).
+    `cache` is the run's `caching.CachedExperts` (or None); `guidance` the run's hooks inside the experts
+    (`attention_guidance.attention_guidance`, or None), attached after the LoRAs and before the cache wraps the experts.
     """
     with contextlib.ExitStack() as run:
         for step in RUN_STEPS:
-            entered = _RUN_STEP_FUNCTIONS[step](model, cache)
+            entered = _RUN_STEP_FUNCTIONS[step](model, cache, guidance)
             if entered is not None:
                 run.enter_context(entered)
         yield
 
 
-def _run_step_loras(model: WanVACEModel, cache):
+def _run_step_loras(model: WanVACEModel, cache, guidance):
     return applied_loras(model, model.loras) if model.loras else None
 
 
-def _run_step_cache(model: WanVACEModel, cache):
+def _run_step_cache(model: WanVACEModel, cache, guidance):
     return cache
 
 
-def _run_step_compiled_cache(model: WanVACEModel, cache):
+def _run_step_compiled_cache(model: WanVACEModel, cache, guidance):
     if cache is None or model.plan is None or not model.plan.compile:
         return None
     return compiled_cached_blocks([getattr(model, run.attribute) for run in cache.runs])
@@ -317,8 +318,9 @@ def _settled_on_error(model: WanVACEModel) -> Iterator[None]:
 
 
 _RUN_STEP_FUNCTIONS = {
-    "settle": lambda model, cache: _settled_on_error(model),
+    "settle": lambda model, cache, guidance: _settled_on_error(model),
     "loras": _run_step_loras,
+    "guidance": lambda model, cache, guidance: guidance,
     "cache": _run_step_cache,
     "compiled_cache": _run_step_compiled_cache,
 }

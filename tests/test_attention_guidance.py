@@ -1,0 +1,175 @@
+"""NAG and RIFLEx inside the experts, against their papers' formulas on the module's own weights."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH, build_task
+from wanvace_core import CacheOptions, SamplerSettings, VACEInputs, WanVACEInputError, prepare_conditioning, sample
+from wanvace_core.generation.guidance import GuidanceOptions
+from wanvace_core.runtime.attention_guidance import NAGOptions, attention_guidance
+
+
+@pytest.fixture(scope="module")
+def model(loaded_models):
+    return loaded_models("fp32")
+
+
+@pytest.fixture(scope="module")
+def cond(model):
+    case = build_task("v2v")
+    return prepare_conditioning(model, VACEInputs(PROMPT, NEGATIVE, WIDTH, HEIGHT, LENGTH, **case.ours))
+
+
+def _paper_nag(positive, negative, scale, tau, alpha):
+    """arXiv 2505.21179 Eq. 4-6: extrapolate, cap the L1 norm ratio per token at tau, blend with alpha."""
+    extrapolated = positive + (scale - 1.0) * (positive - negative)
+    ratio = extrapolated.abs().sum(-1, keepdim=True) / positive.abs().sum(-1, keepdim=True)
+    capped = extrapolated * torch.clamp(ratio, max=tau) / ratio
+    return alpha * capped + (1.0 - alpha) * positive
+
+
+def _attention_by_hand(attn, hidden, context):
+    """A Wan cross-attention before its output projection, from its own weights with torch's SDPA."""
+    query = attn.norm_q(attn.to_q(hidden)).unflatten(2, (attn.heads, -1)).transpose(1, 2)
+    key = attn.norm_k(attn.to_k(context)).unflatten(2, (attn.heads, -1)).transpose(1, 2)
+    value = attn.to_v(context).unflatten(2, (attn.heads, -1)).transpose(1, 2)
+    return F.scaled_dot_product_attention(query, key, value).transpose(1, 2).flatten(2, 3)
+
+
+def test_every_blocks_cross_attention_is_the_papers_nag_of_both_prompts(model, cond):
+    expert = model.transformer_2
+    options = NAGOptions(scale=4.0, tau=1.2, alpha=0.5)
+    seen = []
+    handles = [block.attn2.register_forward_hook(lambda m, a, o: seen.append((m, a, o))) for block in expert.blocks]
+    hidden = torch.randn(1, 16, 3, HEIGHT // 8, WIDTH // 8, generator=torch.Generator().manual_seed(0))
+    inputs = {
+        "hidden_states": hidden,
+        "timestep": torch.tensor([400.0]),
+        "encoder_hidden_states": cond.prompt_embeds,
+        "control_hidden_states": cond.conditioning_latents,
+        "control_hidden_states_scale": cond.conditioning_scale,
+        "return_dict": False,
+    }
+    try:
+        with (
+            torch.no_grad(),
+            attention_guidance({"nag": [expert], "riflex": []}, cond.negative_prompt_embeds, options, 0),
+        ):
+            expert(**inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert len(seen) == len(expert.blocks)
+    with torch.no_grad():
+        negative_context = expert.condition_embedder.text_embedder(cond.negative_prompt_embeds)
+        for attn, args, output in seen:
+            queries, positive_context = args[:2]
+            assert queries.shape[0] == 2 and torch.equal(queries[0], queries[1])  # the same queries for both
+            positive = _attention_by_hand(attn, queries[:1], positive_context[:1])
+            negative = _attention_by_hand(attn, queries[:1], negative_context)
+            expected = attn.to_out[0](_paper_nag(positive, negative, 4.0, 1.2, 0.5))
+            assert output.shape[0] == 1
+            torch.testing.assert_close(output, expected, rtol=1e-4, atol=1e-5)
+
+
+def _settings(cfg_high=1.0, cfg_low=1.0):
+    return SamplerSettings(seed=5, steps=4, cfg=cfg_high, cfg_low_noise=cfg_low, scheduler="distill", shift=5.0)
+
+
+def test_nag_changes_a_cfg_one_run_and_leaves_nothing_behind(model, cond):
+    plain = sample(model, cond, _settings()).latents
+    nag = sample(model, cond, _settings(), rules=GuidanceOptions(nag=NAGOptions())).latents
+    assert torch.isfinite(nag).all() and not torch.equal(nag, plain)
+    assert torch.equal(sample(model, cond, _settings()).latents, plain)
+
+
+def test_nag_only_on_the_expert_at_cfg_one(model, cond):
+    rules = GuidanceOptions(nag=NAGOptions())
+    calls = []
+    handles = [
+        expert.blocks[0]
+        .attn2.to_out[0]
+        .register_forward_pre_hook(lambda m, a, e=name: calls.append((e, a[0].shape[0])))
+        for name, expert in (("high", model.transformer), ("low", model.transformer_2))
+    ]
+    try:
+        sample(model, cond, _settings(cfg_high=3.0), rules=rules)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert {batch for name, batch in calls if name == "high"} == {1}
+    assert {batch for name, batch in calls if name == "low"} == {2}  # both prompts, before NAG's hook reduces them
+
+
+def test_nag_with_a_negative_pass_on_both_experts_is_refused(model, cond):
+    with pytest.raises(WanVACEInputError, match="set cfg or cfg_low_noise to 1"):
+        sample(model, cond, _settings(3.0, 3.0), rules=GuidanceOptions(nag=NAGOptions()))
+
+
+def test_nag_runs_under_step_caching(model, cond):
+    rules = GuidanceOptions(nag=NAGOptions())
+    cache = CacheOptions(residual_diff_threshold=0.001)
+    result = sample(model, cond, _settings(), rules=rules, cache=cache)
+    plain = sample(model, cond, _settings(), rules=rules).latents
+    torch.testing.assert_close(result.latents, plain)  # nothing was cached at this threshold, so NAG ran every step
+
+
+@pytest.mark.parametrize(
+    ("make", "message"), [(lambda: NAGOptions(tau=1.0), "nag_tau"), (lambda: NAGOptions(alpha=2), "nag_alpha")]
+)
+def test_bad_nag_options_are_refused_naming_the_input(make, message):
+    with pytest.raises(WanVACEInputError, match=message):
+        make()
+
+
+def test_riflex_sets_the_intrinsic_time_component_to_the_papers_frequency(model):
+    expert = model.transformer
+    hidden = torch.zeros(1, 16, 5, HEIGHT // 8, WIDTH // 8)
+    plain_cos, plain_sin = expert.rope(hidden)
+    with attention_guidance({"nag": [], "riflex": [expert]}, None, None, 2):
+        cos, sin = expert.rope(hidden)
+    frames = 5 // expert.config.patch_size[0]
+    per_frame = cos.shape[1] // frames
+    angle = torch.arange(frames, dtype=torch.float64).repeat_interleave(per_frame) * (0.9 * 2 * math.pi / frames)
+    for column in (2, 3):  # component 2 of the time axis (1-based): its cos/sin pair
+        torch.testing.assert_close(cos[0, :, 0, column].double(), torch.cos(angle).to(cos.dtype).double())
+        torch.testing.assert_close(sin[0, :, 0, column].double(), torch.sin(angle).to(sin.dtype).double())
+    others = [c for c in range(cos.shape[-1]) if c not in (2, 3)]
+    assert torch.equal(cos[..., others], plain_cos[..., others]) and torch.equal(
+        sin[..., others], plain_sin[..., others]
+    )
+    assert torch.equal(expert.rope(hidden)[0], plain_cos), "the hook is gone after the run"
+
+
+def test_riflex_past_the_time_components_is_refused(model, cond):
+    components = model.transformer.rope.t_dim // 2
+    with pytest.raises(WanVACEInputError, match=f"riflex_index={components + 1}"):
+        sample(model, cond, _settings(), rules=GuidanceOptions(riflex_index=components + 1))
+    changed = sample(model, cond, _settings(), rules=GuidanceOptions(riflex_index=1)).latents
+    assert not torch.equal(changed, sample(model, cond, _settings()).latents)
+
+
+def test_riflex_auto_picks_the_component_whose_period_is_nearest_the_frames(model):
+    from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
+
+    from wanvace_core.runtime.attention_guidance import intrinsic_component
+
+    rope = WanRotaryPosEmbed(128, (1, 2, 2), 1024)  # Wan2.2-A14B's head dim: 22 time components, base 10000
+    periods = [2 * math.pi * 10000 ** (2 * j / rope.t_dim) for j in range(rope.t_dim // 2)]
+    for frames in (21, 41, 61):  # 81, 161, 241 video frames
+        expected = 1 + min(range(len(periods)), key=lambda j: abs(periods[j] - frames))
+        assert intrinsic_component(rope, frames) == expected
+    assert [intrinsic_component(rope, frames) for frames in (21, 41, 61)] == [4, 5, 6]
+    expert = model.transformer
+    hidden = torch.zeros(1, 16, 5, HEIGHT // 8, WIDTH // 8)
+    chosen = intrinsic_component(expert.rope, 5 // expert.config.patch_size[0])
+    with attention_guidance({"nag": [], "riflex": [expert]}, None, None, chosen):
+        explicit = expert.rope(hidden)
+    with attention_guidance({"nag": [], "riflex": [expert]}, None, None, -1):
+        auto = expert.rope(hidden)
+    assert torch.equal(auto[0], explicit[0]) and torch.equal(auto[1], explicit[1])
