@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from tests.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH, build_task
 from wanvace_core import CacheOptions, SamplerSettings, VACEInputs, WanVACEInputError, prepare_conditioning, sample
 from wanvace_core.generation.guidance import GuidanceOptions
-from wanvace_core.runtime.attention_guidance import NAGOptions, attention_guidance
+from wanvace_core.runtime.attention_guidance import ExpertHooks, NAGOptions, SkipLayerOptions, attention_guidance
 
 
 @pytest.fixture(scope="module")
@@ -23,6 +23,12 @@ def model(loaded_models):
 def cond(model):
     case = build_task("v2v")
     return prepare_conditioning(model, VACEInputs(PROMPT, NEGATIVE, WIDTH, HEIGHT, LENGTH, **case.ours))
+
+
+def _hooks(cond, **fields) -> ExpertHooks:
+    embeds = torch.zeros(1, 1, 1) if cond is None else cond.prompt_embeds
+    negative = torch.zeros(1, 1, 1) if cond is None else cond.negative_prompt_embeds
+    return ExpertHooks(prompt_embeds=embeds, negative_embeds=negative, **fields)
 
 
 def _paper_nag(positive, negative, scale, tau, alpha):
@@ -58,7 +64,7 @@ def test_every_blocks_cross_attention_is_the_papers_nag_of_both_prompts(model, c
     try:
         with (
             torch.no_grad(),
-            attention_guidance({"nag": [expert], "riflex": []}, cond.negative_prompt_embeds, options, 0),
+            attention_guidance(_hooks(cond, nag=options, nag_experts=(expert,))),
         ):
             expert(**inputs)
     finally:
@@ -131,7 +137,7 @@ def test_riflex_sets_the_intrinsic_time_component_to_the_papers_frequency(model)
     expert = model.transformer
     hidden = torch.zeros(1, 16, 5, HEIGHT // 8, WIDTH // 8)
     plain_cos, plain_sin = expert.rope(hidden)
-    with attention_guidance({"nag": [], "riflex": [expert]}, None, None, 2):
+    with attention_guidance(_hooks(None, riflex_index=2, riflex_experts=(expert,))):
         cos, sin = expert.rope(hidden)
     frames = 5 // expert.config.patch_size[0]
     per_frame = cos.shape[1] // frames
@@ -168,8 +174,66 @@ def test_riflex_auto_picks_the_component_whose_period_is_nearest_the_frames(mode
     expert = model.transformer
     hidden = torch.zeros(1, 16, 5, HEIGHT // 8, WIDTH // 8)
     chosen = intrinsic_component(expert.rope, 5 // expert.config.patch_size[0])
-    with attention_guidance({"nag": [], "riflex": [expert]}, None, None, chosen):
+    with attention_guidance(_hooks(None, riflex_index=chosen, riflex_experts=(expert,))):
         explicit = expert.rope(hidden)
-    with attention_guidance({"nag": [], "riflex": [expert]}, None, None, -1):
+    with attention_guidance(_hooks(None, riflex_index=-1, riflex_experts=(expert,))):
         auto = expert.rope(hidden)
     assert torch.equal(auto[0], explicit[0]) and torch.equal(auto[1], explicit[1])
+
+
+def _block_inputs_and_outputs(model, cond, settings, rules, block):
+    """Per expert call: (expert, the block's input, the next block's input, which is the block's output after every
+    hook)."""
+    inputs, seen = {}, []
+
+    def before(name, position):
+        def hook(_module, args):
+            if position == 0:
+                inputs[name] = args[0].clone()
+            else:
+                seen.append((name, inputs.pop(name), args[0].clone()))
+
+        return hook
+
+    handles = [
+        expert.blocks[block + position].register_forward_pre_hook(before(name, position))
+        for name, expert in (("high", model.transformer), ("low", model.transformer_2))
+        for position in (0, 1)
+    ]
+    try:
+        result = sample(model, cond, settings, rules=rules)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return result.latents, seen
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_slg_skips_the_blocks_on_the_negative_pass_only_in_its_steps(model, cond, batched):
+    settings = SamplerSettings(seed=5, steps=4, cfg=4.0, cfg_low_noise=1.0, scheduler="euler", shift=5.0)
+    slg = SkipLayerOptions(blocks=(1,), start_percent=0.2, end_percent=1.0)
+    rules = GuidanceOptions(slg=slg)
+    plain, _ = _block_inputs_and_outputs(model, cond, settings, None, 1)
+    latents, seen = _block_inputs_and_outputs(model, cond, settings, rules, 1)
+    assert not torch.equal(latents, plain)
+    high = [(inp, out) for name, inp, out in seen if name == "high"]
+    # euler, shift 5, boundary 0.875: steps 0 and 1 are the high-noise expert's, each a positive then a negative call.
+    assert len(high) == 4
+    for call, (inp, out) in enumerate(high):
+        step, negative = divmod(call, 2)
+        skipped = negative and step >= 1  # step 0 is at 0 % < 20 %
+        assert torch.equal(out, inp) == skipped
+    if batched:
+        batched_latents = sample(model, cond, settings, rules=rules, batched_cfg=True).latents
+        torch.testing.assert_close(batched_latents, latents, rtol=1e-4, atol=1e-4)
+
+
+def test_slg_is_refused_past_the_models_blocks_or_without_a_negative_pass(model, cond):
+    count = len(model.transformer.blocks)
+    settings = SamplerSettings(seed=5, steps=4, cfg=4.0, cfg_low_noise=4.0, scheduler="euler")
+    with pytest.raises(WanVACEInputError, match=f"slg_blocks=\\[{count}\\]"):
+        sample(model, cond, settings, rules=GuidanceOptions(slg=SkipLayerOptions(blocks=(count,))))
+    with pytest.raises(WanVACEInputError, match="no expert runs a negative pass"):
+        sample(model, cond, _settings(), rules=GuidanceOptions(slg=SkipLayerOptions(blocks=(0,))))
+    with pytest.raises(WanVACEInputError, match=r"slg_start_percent=0\.8 is after"):
+        SkipLayerOptions(start_percent=0.8, end_percent=0.2)

@@ -80,7 +80,8 @@ def test_apg_keeps_each_experts_momentum_apart():
 @pytest.mark.parametrize(
     ("make", "message"),
     [
-        (lambda: ExpertGuidance(cfg_zero_star=True, apg=APGOptions()), "turn one off"),
+        (lambda: ExpertGuidance(cfg_zero_star=True, apg=APGOptions()), "keep one"),
+        (lambda: ExpertGuidance(tcfg=True, apg=APGOptions()), "keep one"),
         (lambda: ExpertGuidance(zero_init_steps=-1), "zero_init_steps=-1"),
         (lambda: APGOptions(momentum=1.0), "apg_momentum=1.0"),
         (lambda: APGOptions(norm_threshold=-1.0), "apg_norm_threshold=-1.0"),
@@ -142,3 +143,13 @@ def test_a_video_in_one_window_combines_as_without_windows(run):
     rules = GuidanceOptions(high_noise=ExpertGuidance(apg=APGOptions(momentum=-0.5)))
     one_window = ContextWindowOptions(context_length=LENGTH + 16, context_overlap=8)
     assert torch.equal(run(rules, windows=one_window), run(rules))
+
+
+def test_tcfg_equals_diffusers_tangential_guidance():
+    from diffusers.guiders import tangential_classifier_free_guidance as diffusers_tcfg
+
+    cond, uncond, latents = _predictions(21)
+    ours = combine(ExpertGuidance(tcfg=True), {}, "transformer", cond, uncond, 5.0, 0, latents, torch.tensor(0.5))
+    # The same projection summed in another order (u.v1 v1 against u.Vh then Vh with its second row zeroed): fp32
+    # rounding of the SVD's vectors, amplified 5x by the scale; 1.4e-5 at most seen.
+    torch.testing.assert_close(ours, diffusers_tcfg.normalized_guidance(cond, uncond, 5.0), rtol=1e-4, atol=1e-4)

@@ -6,6 +6,8 @@ The combination rules, each checked against an outside formula in tests/test_gui
 - CFG-Zero* (Fan et al. 2025, arXiv 2503.18886, Eq. 6-8, the form diffusers' `ClassifierFreeZeroStarGuidance`
   computes): the unconditional velocity is first scaled by `alpha = <cond, uncond> / |uncond|^2` (per sample), and
   the first `zero_init_steps` steps predict zero velocity.
+- TCFG (Kwon et al. 2025, arXiv 2503.18137, as diffusers' `TangentialClassifierFreeGuidance`): the unconditional
+  velocity keeps only its part along the first right-singular vector of the two stacked predictions.
 - APG (Sadat et al. 2024, arXiv 2410.02416, Alg. 1, as ComfyUI's APG node and diffusers' `normalized_guidance` with
   `use_original_formulation`): on the denoised estimates `x0 = x - sigma v`, the guidance difference is
   accumulated with `momentum`, clamped to `norm_threshold`, split into its parts parallel and orthogonal to the
@@ -21,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import WanVACEInputError
-from ..runtime.attention_guidance import NAGOptions
+from ..runtime.attention_guidance import NAGOptions, SkipLayerOptions
 from ..validation import validate_finite, validate_integer
 from .conditioning import VACEConditioning
 
@@ -51,20 +53,21 @@ class ExpertGuidance:
     cfg_zero_star: bool = False
     zero_init_steps: int = 0
     apg: APGOptions | None = None
+    tcfg: bool = False
 
     def __post_init__(self) -> None:
         steps = validate_integer("zero_init_steps", self.zero_init_steps, "use a whole number, 0 or more (1 typical)")
         if steps < 0:
             raise WanVACEInputError(f"zero_init_steps={self.zero_init_steps} must be 0 or more.")
-        if self.cfg_zero_star and self.apg is not None:
+        if sum((self.cfg_zero_star, self.apg is not None, self.tcfg)) > 1:
             raise WanVACEInputError(
-                "CFG-Zero* and APG are both on for one expert; they are two different rules for the same "
-                "combination: turn one off."
+                "more than one of CFG-Zero*, APG and TCFG is on for one expert; they are different rules for the "
+                "same combination: keep one."
             )
 
     @property
     def plain(self) -> bool:
-        return not self.cfg_zero_star and self.apg is None and self.zero_init_steps == 0
+        return not self.cfg_zero_star and self.apg is None and not self.tcfg and self.zero_init_steps == 0
 
     @classmethod
     def from_plain(cls, fields: dict) -> ExpertGuidance:
@@ -75,11 +78,12 @@ class ExpertGuidance:
 @dataclass(frozen=True)
 class GuidanceOptions:
     """The guidance of both experts (a single-expert model uses `high_noise`), and the guidance inside the experts:
-    NAG on the experts that run at cfg 1, RIFLEx's component (0 = off) on both."""
+    NAG on the experts that run at cfg 1, SLG on those with a negative pass, RIFLEx's component (0 = off) on both."""
 
     high_noise: ExpertGuidance = field(default_factory=ExpertGuidance)
     low_noise: ExpertGuidance = field(default_factory=ExpertGuidance)
     nag: NAGOptions | None = None
+    slg: SkipLayerOptions | None = None
     riflex_index: int = 0
 
     def __post_init__(self) -> None:
@@ -96,6 +100,7 @@ class GuidanceOptions:
             high_noise=ExpertGuidance.from_plain(fields["high_noise"]),
             low_noise=ExpertGuidance.from_plain(fields["low_noise"]),
             nag=None if nag is None else NAGOptions(**nag),
+            slg=None if fields.get("slg") is None else SkipLayerOptions(**fields["slg"]),
             riflex_index=fields.get("riflex_index", 0),
         )
 
@@ -119,6 +124,8 @@ def combine(
         return torch.zeros_like(cond)
     if rule.cfg_zero_star:
         return _cfg_zero_star(cond, uncond, scale)
+    if rule.tcfg:
+        return _tcfg(cond, uncond, scale)
     if rule.apg is not None:
         return _apg(rule.apg, running, expert, cond, uncond, scale, latents, sigma)
     return uncond + scale * (cond - uncond)
@@ -129,6 +136,15 @@ def _cfg_zero_star(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> to
     alpha = (flat_cond * flat_uncond).sum(1, keepdim=True) / (flat_uncond.pow(2).sum(1, keepdim=True) + 1e-8)
     alpha = alpha.view(-1, *([1] * (cond.dim() - 1))).to(uncond.dtype)
     uncond = uncond * alpha
+    return uncond + scale * (cond - uncond)
+
+
+def _tcfg(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
+    stacked = torch.stack([cond, uncond], dim=1).float().flatten(2)
+    _, _, right = torch.linalg.svd(stacked, full_matrices=False)
+    first = right[:, :1]
+    flat_uncond = uncond.reshape(uncond.shape[0], 1, -1).float()
+    uncond = ((flat_uncond @ first.transpose(-2, -1)) @ first).reshape(uncond.shape).to(cond.dtype)
     return uncond + scale * (cond - uncond)
 
 

@@ -18,7 +18,7 @@ import torch
 from diffusers.utils.torch_utils import randn_tensor
 
 from ..errors import WanVACEInputError
-from ..runtime.attention_guidance import attention_guidance
+from ..runtime.attention_guidance import ExpertHooks, attention_guidance
 from ..runtime.caching import CachedExperts, CacheOptions, CacheReport, ExpertRun
 from ..runtime.model import WanVACEModel
 from ..runtime.plan import planned_run
@@ -334,7 +334,7 @@ def sample(
             freenoise(noise[:, :, references:], windows, settings.seed)
     rules = rules or GuidanceOptions()
     predict = _Predictor(model, cond, settings, plan, guidance, len(timesteps), windows, cached, between_windows, rules)
-    with planned_run(model, cached, _inside_experts(model, cond, settings, rules)):
+    with planned_run(model, cached, _inside_experts(model, cond, settings, rules, timesteps)):
         if stepper is None:
             latents = _built_in_steps(predict, scheduler, timesteps, sigmas, noise, settings, callback)
         else:
@@ -345,22 +345,39 @@ def sample(
     return SampleResult(latents=latents[:, :, references:], cache_report=report)
 
 
-def _inside_experts(model: WanVACEModel, cond: VACEConditioning, settings: SamplerSettings, rules: GuidanceOptions):
-    """The run's guidance inside the experts (NAG on those that run at cfg 1, RIFLEx), or None."""
-    if rules.nag is None and not rules.riflex_index:
+def _inside_experts(
+    model: WanVACEModel, cond: VACEConditioning, settings: SamplerSettings, rules: GuidanceOptions, timesteps
+):
+    """The run's guidance inside the experts (NAG on those at cfg 1, SLG on those with a negative pass, RIFLEx), or
+    None."""
+    if rules.nag is None and rules.slg is None and not rules.riflex_index:
         return None
-    unguided = [
-        expert
-        for expert, scale in ((model.transformer, settings.cfg), (model.transformer_2, settings.cfg_low_noise))
-        if expert is not None and scale <= 1.0
-    ]
+    scales = ((model.transformer, settings.cfg), (model.transformer_2, settings.cfg_low_noise))
+    unguided = tuple(expert for expert, scale in scales if expert is not None and scale <= 1.0)
+    guided = tuple(expert for expert, scale in scales if expert is not None and scale > 1.0)
     if rules.nag is not None and not unguided:
         raise WanVACEInputError(
             "NAG is on but both experts run a negative pass (cfg and cfg_low_noise above 1), where NAG does nothing; "
             "set cfg or cfg_low_noise to 1 (the distilled 4-step LoRAs run at 1), or turn NAG off."
         )
+    if rules.slg is not None and not guided:
+        raise WanVACEInputError(
+            "SLG is on but no expert runs a negative pass (cfg and cfg_low_noise are 1), which is where SLG skips "
+            "its blocks; raise cfg or cfg_low_noise above 1, or turn SLG off."
+        )
+    active = () if rules.slg is None else rules.slg.active_steps(len(timesteps))
     return attention_guidance(
-        {"nag": unguided, "riflex": model.experts}, cond.negative_prompt_embeds, rules.nag, rules.riflex_index
+        ExpertHooks(
+            prompt_embeds=cond.prompt_embeds,
+            negative_embeds=cond.negative_prompt_embeds,
+            nag=rules.nag,
+            nag_experts=unguided,
+            slg=rules.slg,
+            slg_experts=guided,
+            slg_timesteps=tuple(float(timesteps[index]) for index in active),
+            riflex_index=rules.riflex_index,
+            riflex_experts=tuple(model.experts),
+        )
     )
 
 

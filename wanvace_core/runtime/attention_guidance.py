@@ -79,22 +79,101 @@ def intrinsic_component(rope, frames: int) -> int:
     return 1 + int((periods - frames).abs().argmin())
 
 
+@dataclass(frozen=True)
+class SkipLayerOptions:
+    """SLG in its one-pass form (WanVideoWrapper's, ComfyUI's SkipLayerGuidanceDiTSimple): the negative pass runs
+    without `blocks` on the steps from `start_percent` to `end_percent` of the run."""
+
+    blocks: tuple[int, ...] = (9,)
+    start_percent: float = 0.1
+    end_percent: float = 1.0
+
+    def __post_init__(self) -> None:
+        blocks = tuple(
+            validate_integer("slg_blocks", block, "list block indices, like 9 or 8,9") for block in self.blocks
+        )
+        if not blocks or min(blocks) < 0:
+            raise WanVACEInputError(f"slg_blocks={list(self.blocks)} must list block indices, 0 or more, like 9.")
+        object.__setattr__(self, "blocks", blocks)
+        for name in ("start_percent", "end_percent"):
+            if not 0.0 <= validate_finite(f"slg_{name}", getattr(self, name), "use a value in [0, 1]") <= 1.0:
+                raise WanVACEInputError(f"slg_{name}={getattr(self, name)} must lie in [0, 1].")
+        if self.start_percent > self.end_percent:
+            raise WanVACEInputError(
+                f"slg_start_percent={self.start_percent} is after slg_end_percent={self.end_percent}; swap them."
+            )
+
+    def active_steps(self, steps: int) -> list[int]:
+        return [index for index in range(steps) if self.start_percent <= index / steps <= self.end_percent]
+
+
+@dataclass(frozen=True)
+class ExpertHooks:
+    """What one run attaches inside the experts: NAG on `nag_experts` (those at cfg 1), SLG on `slg_experts` (those
+    with a negative pass) at the timesteps `slg_timesteps`, RIFLEx (`riflex_index`, 0 = off) on `riflex_experts`."""
+
+    prompt_embeds: torch.Tensor
+    negative_embeds: torch.Tensor
+    nag: NAGOptions | None = None
+    nag_experts: tuple = ()
+    slg: SkipLayerOptions | None = None
+    slg_experts: tuple = ()
+    slg_timesteps: tuple[float, ...] = ()
+    riflex_index: int = 0
+    riflex_experts: tuple = ()
+
+
 @contextlib.contextmanager
-def attention_guidance(
-    experts, negative_embeds: torch.Tensor | None, nag: NAGOptions | None, riflex_index: int
-) -> Iterator[None]:
-    """NAG on `experts` (those that run at cfg 1; `negative_embeds` the negative prompt's text embeddings) and RIFLEx
-    on every expert of `experts` and beyond, for the run inside the `with`."""
+def attention_guidance(plan: ExpertHooks) -> Iterator[None]:
+    """The hooks `plan` describes, on for the run inside the `with` and off after it (also on an error)."""
     hooks = ModuleHooks()
     try:
-        for expert in experts["nag"] if nag is not None else ():
-            _apply_nag(expert, negative_embeds, nag, hooks)
-        for expert in experts["riflex"] if riflex_index else ():
-            check_riflex_index(expert, riflex_index)
-            _apply_riflex(expert, riflex_index, hooks)
+        for expert in plan.nag_experts if plan.nag is not None else ():
+            _apply_nag(expert, plan.negative_embeds, plan.nag, hooks)
+        for expert in plan.slg_experts if plan.slg is not None else ():
+            check_slg_blocks(expert, plan.slg)
+            _apply_skip_layers(expert, plan, hooks)
+        for expert in plan.riflex_experts if plan.riflex_index else ():
+            check_riflex_index(expert, plan.riflex_index)
+            _apply_riflex(expert, plan.riflex_index, hooks)
         yield
     finally:
         hooks.remove()
+
+
+def check_slg_blocks(expert, options: SkipLayerOptions) -> None:
+    count = len(expert.blocks)
+    if max(options.blocks) >= count:
+        raise WanVACEInputError(
+            f"slg_blocks={list(options.blocks)} names a block past this model's {count} (0-{count - 1}); "
+            "9 or 10 are typical for Wan's 40 blocks."
+        )
+
+
+def _apply_skip_layers(expert, plan: ExpertHooks, hooks: ModuleHooks) -> None:
+    state = {"rows": None}
+    active = torch.tensor(plan.slg_timesteps, dtype=torch.float64)
+
+    def find_negative_rows(_module, args, kwargs):
+        # The negative pass is the call (or, batched, the rows) whose text is the negative prompt's.
+        state["rows"] = None
+        timestep = float(kwargs["timestep"].reshape(-1)[0])
+        if not len(active) or not torch.isclose(active, torch.tensor(timestep, dtype=torch.float64)).any():
+            return None
+        texts = kwargs["encoder_hidden_states"]
+        negative = plan.negative_embeds.to(texts.device, texts.dtype)
+        positive = plan.prompt_embeds.to(texts.device, texts.dtype)
+        rows = [torch.equal(row, negative[0]) and not torch.equal(row, positive[0]) for row in texts]
+        state["rows"] = torch.tensor(rows, device=texts.device).view(-1, 1, 1) if any(rows) else None
+        return None
+
+    def skipped_on_negative_rows(_module, args, output):
+        rows = state["rows"]
+        return output if rows is None else torch.where(rows, args[0], output)
+
+    hooks.pre(expert, find_negative_rows, with_kwargs=True)
+    for index in plan.slg.blocks:
+        hooks.post(expert.blocks[index], skipped_on_negative_rows)
 
 
 def _apply_nag(expert, negative_embeds: torch.Tensor, options: NAGOptions, hooks: ModuleHooks) -> None:
