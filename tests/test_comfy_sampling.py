@@ -31,11 +31,11 @@ DENOISE_CASES = ((8, 0.5), (8, 0.75), (30, 0.3), (8, 0.0))
 # Samplers compared with the same ComfyUI sampler over the reference denoiser. Seeded ones (ancestral, SDE) draw
 # their noise from the seed in extra_args, the same in both runs.
 REFERENCE_SAMPLERS = ("euler", "heun", "dpmpp_2m", "deis", "uni_pc", "lcm", "euler_ancestral", "er_sde", "dpmpp_2m_sde")
-# Measured over REFERENCE_SAMPLERS in both sets (fp32, CPU): see test_samplers_match_a_reference_denoiser.
-REFERENCE_RTOL = 1e-5
+# Measured over REFERENCE_SAMPLERS in both sets (fp32, CPU): 0, bitwise equal.
+REFERENCE_RTOL = 1e-6
 # ComfyUI's euler divides (x - x0) by sigma and multiplies back, diffusers' euler steps the velocity: measured
-# max |diff| / max |x| in both sets, see test_comfy_euler_over_our_euler_sigmas_equals_our_euler.
-EULER_RTOL = 1e-5
+# max |diff| / max |x| = 2.8e-7 in both sets (fp32, CPU, 4 steps).
+EULER_RTOL = 2e-6
 
 
 # --- the ComfyUI side (runs in the subprocess) -------------------------------------------------------------
@@ -194,6 +194,7 @@ def _through_the_core(folder: str) -> dict:
     import comfy.samplers
     from diffusers import WanVACETransformer3DModel
     from wanvace_pack.nodes.comfy_sampling import flow_model_sampling, stepper_for
+    from wanvace_pack.nodes.scheduler import WanVACEScheduler
     from wanvace_pack.wanvace_core import (
         CacheOptions,
         ExpertCacheLimits,
@@ -271,21 +272,26 @@ def _through_the_core(folder: str) -> dict:
         found["timings"][name] = time.perf_counter() - found["timings"][name]
     found["timings"]["samplers"] = time.perf_counter() - started
 
-    # Step caching needs each expert's call count before the run: heun's from the probe.
+    # Step caching needs each expert's call count before the run: heun's from the probe, over WanVACEScheduler's
+    # simple schedule at shift 8 (three of its four steps at or above the boundary).
     started = time.perf_counter()
-    heun = stepper_for(comfy.samplers.sampler_object("heun"), shift)
+    simple = WanVACEScheduler.execute(model, "simple", STEPS, 8.0, 1.0).result[0]
+    heun = stepper_for(comfy.samplers.sampler_object("heun"), 8.0)
     eager = ExpertCacheLimits(max_warmup_steps=1)
     cache = CacheOptions(residual_diff_threshold=0.2, high_noise=eager, low_noise=eager)
     counts, handles = _count_calls(model)
     try:
-        cached = sample(model, cond, with_sigmas, cache=cache, stepper=heun)
+        cached = sample(
+            model, cond, dataclasses.replace(with_sigmas, sigmas=tuple(simple.tolist())), cache=cache, stepper=heun
+        )
     finally:
         for handle in handles:
             handle.remove()
     stepper_for(comfy.samplers.sampler_object("uni_pc"), shift).call_sigmas(sigmas)
     found["schedule_kept"] = float(sigmas[-1])  # uni_pc writes over a final 0 of the sigmas it is handed
     found["heun_cache"] = {
-        "call_sigmas": heun.call_sigmas(sigmas),
+        "call_sigmas": heun.call_sigmas(simple),
+        "sigmas": simple.tolist(),
         "expert_calls": counts,
         "report": [(expert.expert, expert.steps, len(expert.cached_steps)) for expert in cached.cache_report.experts],
         "boundary": model.boundary_ratio,
@@ -446,9 +452,11 @@ def test_samplers_match_the_same_comfy_sampler_over_a_reference_denoiser(comfy_r
 def test_heun_with_step_caching_counts_each_experts_calls_from_the_probe(comfy_run):
     heun = comfy_run["core"]["heun_cache"]
     call_sigmas = heun["call_sigmas"]
-    assert len(call_sigmas) == 2 * STEPS - 1  # heun: two calls a step, one on the last step to 0
+    # Heun (Karras et al. 2022, algorithm 2): at each step's sigma, then at the next one unless that is 0.
+    sigmas = heun["sigmas"]
+    assert list(call_sigmas) == [sigmas[0]] + [sigma for sigma in sigmas[1:-1] for _ in range(2)]
     high = sum(sigma >= heun["boundary"] for sigma in call_sigmas)
-    assert 0 < high < len(call_sigmas)
+    assert high == 5  # simple at shift 8: 1, 0.96, 0.889 above 0.875, 0.727 below
     # Every call runs the cond and the uncond pass (cfg above 1 for both experts).
     assert heun["expert_calls"] == {"transformer": 2 * high, "transformer_2": 2 * (len(call_sigmas) - high)}
     assert [report[:2] for report in heun["report"]] == [("high-noise", high), ("low-noise", len(call_sigmas) - high)]
