@@ -249,8 +249,15 @@ def _through_the_core(folder: str) -> dict:
     for name in comfy.samplers.SAMPLER_NAMES:
         found["timings"][name] = time.perf_counter()
         stepper = stepper_for(comfy.samplers.sampler_object(name), shift)
+        steps_ours, steps_theirs = [], []
         try:
-            latents = sample(model, cond, unguided if name == "dpm_adaptive" else with_sigmas, stepper=stepper).latents
+            latents = sample(
+                model,
+                cond,
+                unguided if name == "dpm_adaptive" else with_sigmas,
+                callback=lambda index, total, denoised, _steps=steps_ours: _steps.append((index, total, denoised)),
+                stepper=stepper,
+            ).latents
         except WanVACEInputError as error:
             found["samplers"][name] = ("refused", str(error))
             continue
@@ -263,12 +270,12 @@ def _through_the_core(folder: str) -> dict:
                     _ReferenceModel(reference, sampling),
                     sigmas.clone(),
                     extra_args,
-                    None,
+                    lambda index, denoised, _x, total, _steps=steps_theirs: _steps.append((index, total, denoised)),
                     noise,
                     torch.zeros_like(noise),
                     disable_pbar=True,
                 )
-        found["samplers"][name] = ("ran", latents, expected)
+        found["samplers"][name] = ("ran", latents, expected, steps_ours, steps_theirs)
         found["timings"][name] = time.perf_counter() - found["timings"][name]
     found["timings"]["samplers"] = time.perf_counter() - started
 
@@ -441,9 +448,13 @@ def test_samplers_match_the_same_comfy_sampler_over_a_reference_denoiser(comfy_r
     samplers = comfy_run["core"]["samplers"]
     errors = {}
     for name in REFERENCE_SAMPLERS:
-        outcome, latents, expected = samplers[name]
+        outcome, latents, expected, steps_ours, steps_theirs = samplers[name]
         assert outcome == "ran" and expected is not None, name
         errors[name] = _relative(latents, expected)
+        # The step callback gets what ComfyUI's callback gets: the step, the total and the denoised estimate x0.
+        assert [step[:2] for step in steps_ours] == [step[:2] for step in steps_theirs] != [], name
+        for ours, theirs in zip(steps_ours, steps_theirs, strict=True):
+            errors[name] = max(errors[name], _relative(ours[2], theirs[2]))
     assert max(errors.values()) < REFERENCE_RTOL, errors
     # Different samplers give different results: the comparison can tell them apart.
     assert _relative(samplers["euler"][1], samplers["heun"][1]) > 100 * REFERENCE_RTOL
