@@ -70,10 +70,15 @@ class WanVACEDenoiser:
             # cfg_pp samplers recombine the guided and the negative prediction after CFG; the dual-expert denoiser
             # returns only the guided one, and running them without it would silently be another sampler.
             plain = self._sampler_name.replace("_cfg_pp", "")
+            fix = (
+                f"choose {plain}, its plain variant,"
+                if plain != self._sampler_name
+                else "choose a sampler that is not CFG++ (euler, dpmpp_2m, res_multistep, ...)"
+            )
             raise WanVACEInputError(
-                f"the SAMPLER {self._sampler_name} is a cfg_pp sampler, which needs the negative prediction apart "
-                f"from the guided one; the WanVACE sampler does not provide it yet. Choose {plain} (its plain "
-                "variant) in KSamplerSelect."
+                f"the SAMPLER {self._sampler_name} is a CFG++ (cfg_pp) sampler, which needs the negative prediction "
+                f"apart from the guided one; the WanVACE sampler does not provide it yet. {fix[0].upper()}{fix[1:]} "
+                "in KSamplerSelect."
             )
         return self._denoiser(x, sigma)
 
