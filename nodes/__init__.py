@@ -8,12 +8,14 @@ from .decode import WanVACEDecode
 from .examples import install_example_inputs, install_template_order
 from .experts_loader import WanVACEExpertsLoader
 from .frames import WanVACEControlVideo, WanVACEFirstLastFrame, WanVACEOutpaintCanvas
+from .guidance import WanVACEGuidanceOptions
 from .loader import WanVACEModelLoader
 from .lora import WanVACELoraLoader
 from .offload import WanVACEOffloadOptions
 from .parallel import WanVACEParallelOptions
 from .queued_prompt import install as install_queue_checks
 from .sampler import WanVACESampler
+from .scheduler import WanVACEScheduler
 from .videos_api import install_videos_api
 from .windows import WanVACEContextWindows
 
@@ -39,6 +41,8 @@ class WanVACEExtension(ComfyExtension):
             WanVACEFirstLastFrame,
             WanVACEOutpaintCanvas,
             WanVACESampler,
+            WanVACEScheduler,
+            WanVACEGuidanceOptions,
             WanVACEDecode,
             WanVACECacheOptions,
             WanVACEContextWindows,

@@ -16,10 +16,19 @@ from ..wanvace_core.generation.budget import (
 )
 from ..wanvace_core.generation.schedules import validate_scheduler
 from ..wanvace_core.generation.windows import frames_per_call
+from ..wanvace_core.runtime.model import default_shift
 from ..wanvace_core.validation import nan_refusing_min
+from .comfy_sampling import stepper_for
 from .memory import free_device_memory, set_working_memory
 from .preview import step_previewer
-from .types import CATEGORY, WanVACECacheType, WanVACEConditioningType, WanVACEContextWindowsType, WanVACEModelType
+from .types import (
+    CATEGORY,
+    WanVACECacheType,
+    WanVACEConditioningType,
+    WanVACEContextWindowsType,
+    WanVACEGuidanceType,
+    WanVACEModelType,
+)
 
 MODEL_DEFAULT = -1.0
 logger = logging.getLogger(__name__)
@@ -89,7 +98,8 @@ class WanVACESampler(io.ComfyNode):
                     "scheduler",
                     options=list(SCHEDULERS),
                     default="unipc",
-                    tooltip="unipc: UniPC multistep flow matching (the model's default). euler: flow-matching Euler.",
+                    tooltip="unipc: the model's default. euler: flow Euler (ComfyUI's normal curve). dpm++, dpm++_sde, "
+                    "deis, lcm: diffusers' solvers. distill: the 4-step lightx2v schedule (use shift 5).",
                 ),
                 WanVACECacheType.Input(
                     "cache",
@@ -111,6 +121,24 @@ class WanVACESampler(io.ComfyNode):
                     optional=True,
                     tooltip="Overlapping context windows from WanVACE Context Windows, for videos longer than one "
                     "window; unconnected = the whole video at once.",
+                ),
+                io.Sigmas.Input(
+                    "sigmas",
+                    optional=True,
+                    tooltip="A schedule (WanVACE Scheduler, SplitSigmas, custom sigmas) replacing steps, shift and "
+                    "the scheduler's curve; the experts switch where it crosses boundary_ratio.",
+                ),
+                WanVACEGuidanceType.Input(
+                    "guidance",
+                    optional=True,
+                    tooltip="How each expert combines its two predictions (WanVACE Guidance Options); unconnected = "
+                    "plain cfg.",
+                ),
+                io.Sampler.Input(
+                    "sampler",
+                    optional=True,
+                    tooltip="A ComfyUI sampler (KSamplerSelect, SamplerER_SDE, ...) stepping instead of the "
+                    "scheduler, over the sigmas input or else the scheduler's own sigmas.",
                 ),
             ],
             outputs=[io.Latent.Output(display_name="latent", tooltip="The denoised video latent.")],
@@ -145,7 +173,12 @@ class WanVACESampler(io.ComfyNode):
         cache=None,
         batched_cfg: str = "off",
         context_windows=None,
+        sigmas=None,
+        sampler=None,
+        guidance=None,
     ) -> io.NodeOutput:
+        if sigmas is not None:
+            steps = len(sigmas) - 1  # the schedule's own count; the steps widget is for the built-in schedule
         settings = SamplerSettings(
             seed=seed,
             steps=steps,
@@ -154,7 +187,10 @@ class WanVACESampler(io.ComfyNode):
             boundary_ratio=None if boundary_ratio < 0 else boundary_ratio,
             shift=None if shift <= 0 else shift,
             scheduler=scheduler,
+            sigmas=None if sigmas is None else tuple(sigmas.tolist()),
         )
+        shift = settings.shift or default_shift(model.scheduler_config)
+        stepper = None if sampler is None else stepper_for(sampler, shift)
         preview_step = step_previewer(model, conditioning, steps)
 
         def on_step(index: int, total: int, latents) -> None:
@@ -179,6 +215,8 @@ class WanVACESampler(io.ComfyNode):
             batched_cfg=batched,
             windows=context_windows,
             between_windows=comfy.model_management.throw_exception_if_processing_interrupted,
+            stepper=stepper,
+            rules=guidance,
         )
         latent = {"samples": to_vae_space(model, result.latents).cpu()}
         if result.cache_report is None:

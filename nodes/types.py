@@ -8,5 +8,6 @@ WanVACECacheType = io.Custom("WANVACE_CACHE")
 WanVACEContextWindowsType = io.Custom("WANVACE_CONTEXT_WINDOWS")
 WanVACEOffloadType = io.Custom("WANVACE_OFFLOAD")
 WanVACEParallelType = io.Custom("WANVACE_PARALLEL")
+WanVACEGuidanceType = io.Custom("WANVACE_GUIDANCE")
 
 CATEGORY = "WanVACE"

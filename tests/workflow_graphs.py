@@ -53,7 +53,16 @@ FP8_VARIANT, GGUF_VARIANT = "_fp8", "_gguf"
 LIGHTNING_VARIANT, STYLE_LORA_VARIANT = "_lightning", "_style_lora"
 # Variants longer than one window, through WanVACE Context Windows.
 LONG_VARIANT = "_long"
-VARIANTS = (CACHE_VARIANT, FP8_VARIANT, GGUF_VARIANT, LIGHTNING_VARIANT, STYLE_LORA_VARIANT, LONG_VARIANT)
+COMFY_SAMPLER_VARIANT = "_comfy_sampler"
+VARIANTS = (
+    CACHE_VARIANT,
+    FP8_VARIANT,
+    GGUF_VARIANT,
+    LIGHTNING_VARIANT,
+    STYLE_LORA_VARIANT,
+    LONG_VARIANT,
+    COMFY_SAMPLER_VARIANT,
+)
 # Every shipped workflow: one per task, plus variants with the Cache-DiT node, the single-file loader and LoRAs.
 WORKFLOWS = (
     *TASKS,
@@ -64,6 +73,7 @@ WORKFLOWS = (
     "v2v" + STYLE_LORA_VARIANT,
     "v2v" + LONG_VARIANT,
     "extension" + LONG_VARIANT,
+    "t2v" + COMFY_SAMPLER_VARIANT,
 )
 
 
@@ -193,8 +203,27 @@ LORA_FILES = {
 }
 # The VAE passes tile only when the untiled peak would not fit the free device memory.
 VAE_TILING = {"tiled": "auto", "tile_size": 256, "tile_overlap": 64}
-# What the Lightning LoRAs are distilled for: 4 steps without guidance (cfg 1 skips the negative pass), shift 5.
-LIGHTNING_SAMPLING = {"steps": 4, "cfg": 1.0, "cfg_low_noise": 1.0, "shift": 5.0, "scheduler": "euler"}
+# What the Lightning LoRAs are distilled for: the 4 timesteps 1000/750/500/250 shifted by 5 (the distill schedule),
+# without guidance (cfg 1 skips the negative pass); NAG puts the negative prompt back inside cross-attention.
+LIGHTNING_SAMPLING = {"steps": 4, "cfg": 1.0, "cfg_low_noise": 1.0, "shift": 5.0, "scheduler": "distill"}
+LIGHTNING_NAG = {
+    "rule": "cfg",
+    "experts": "both",
+    "zero_init_steps": 0,
+    "apg_eta": 1.0,
+    "apg_norm_threshold": 5.0,
+    "apg_momentum": 0.0,
+    "nag_scale": 11.0,
+    "nag_tau": 2.5,
+    "nag_alpha": 0.25,
+    "slg_blocks": "",
+    "slg_start_percent": 0.1,
+    "slg_end_percent": 1.0,
+    "riflex_index": 0,
+}
+# ComfyUI's own sampler and schedule: what a native Wan2.2 graph runs (euler, simple, ModelSamplingSD3 shift 8).
+COMFY_SAMPLER = {"sampler_name": "euler"}
+COMFY_SCHEDULE = {"scheduler": "simple", "steps": STEPS, "shift": 8.0, "denoise": 1.0}
 
 
 def task_of(name: str) -> str:
@@ -239,6 +268,7 @@ WORKFLOW_TITLES = {
     "v2v" + STYLE_LORA_VARIANT: "13 Control Video, style LoRA",
     "v2v" + LONG_VARIANT: "14 Long Control Video",
     "extension" + LONG_VARIANT: "15 Long Extension",
+    "t2v" + COMFY_SAMPLER_VARIANT: "16 Text to Video, ComfyUI sampler",
 }
 # The example input files each workflow names (shipped in example_inputs/).
 EXAMPLE_INPUTS = {
@@ -526,8 +556,16 @@ def _note(name: str) -> str:
             "",
             f"**LoRA** (~{_gb(2 * MODEL_FILES[high.lora_name].gigabytes)}, offered by the missing-models dialog): "
             f"lightx2v's Lightning 4-step files `{high.lora_name}` and `{low.lora_name}` in `ComfyUI/models/loras/`, "
-            "one per expert (strength 1 there, 0 on the other). The sampler then needs 4 steps, cfg 1 (no negative "
-            "pass), shift 5, euler: about 10x faster than 20 steps with cfg 5.",
+            "one per expert (strength 1 there, 0 on the other). The sampler then needs the 4-step distill schedule "
+            "at shift 5 and cfg 1 (no negative pass): about 10x faster than 20 steps with cfg 5. **WanVACE Guidance "
+            "Options** gives the negative prompt its say again through NAG (scale 11), at a few percent of a step.",
+        ]
+    if variant == COMFY_SAMPLER_VARIANT:
+        lines += [
+            "",
+            "**ComfyUI's sampler:** **KSamplerSelect** picks any of ComfyUI's samplers and **WanVACE Scheduler** any "
+            "of its schedules (here euler, simple, shift 8: what ComfyUI's own Wan2.2 templates run); the sampler's "
+            "steps, shift and scheduler then follow the schedule. SplitSigmas and the other sigma nodes work on it.",
         ]
     if variant == STYLE_LORA_VARIANT:
         (style,) = LORA_FILES[STYLE_LORA_VARIANT]
@@ -693,6 +731,15 @@ def _build(name: str) -> _Graph:
     if name.endswith(LONG_VARIANT):
         windows = graph.add("WanVACEContextWindows", **CONTEXT_WINDOWS, at=("options", 0))
         options["context_windows"] = _out(windows)
+    if variant == LIGHTNING_VARIANT:
+        guidance = graph.add(
+            "WanVACEGuidanceOptions", "NAG: the negative prompt at cfg 1", **LIGHTNING_NAG, at=("options", 0)
+        )
+        options["guidance"] = _out(guidance)
+    if variant == COMFY_SAMPLER_VARIANT:
+        sampler_select = graph.add("KSamplerSelect", **COMFY_SAMPLER, at=("options", 0))
+        schedule = graph.add("WanVACEScheduler", model=_out(loader), **COMFY_SCHEDULE, at=("options", 0))
+        options |= {"sampler": _out(sampler_select), "sigmas": _out(schedule)}
     # The LoRAs change only the sampling: conditioning and decoding use the loader's model directly.
     sampling_model = loader
     for column, lora in enumerate(LORA_FILES.get(variant, ())):
@@ -760,7 +807,12 @@ def _build(name: str) -> _Graph:
         layout.groups["inputs"] = _INPUT_GROUP_TITLES[task]
     layout.groups["prompt"] = "Prompt and VACE conditioning"
     if options:
-        layout.groups["options"] = "Step cache (Cache-DiT)" if name.endswith(CACHE_VARIANT) else "Context windows"
+        layout.groups["options"] = {
+            CACHE_VARIANT: "Step cache (Cache-DiT)",
+            LONG_VARIANT: "Context windows",
+            LIGHTNING_VARIANT: "Guidance",
+            COMFY_SAMPLER_VARIANT: "ComfyUI sampler and schedule",
+        }[variant]
     layout.groups["sampling"] = "Sampling"
     layout.groups["output"] = "Decode and save"
     _page(layout)

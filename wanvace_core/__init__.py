@@ -17,7 +17,8 @@ from .generation.conditioning import (
     validate_vace_inputs,
 )
 from .generation.decoding import decode, to_vae_space
-from .generation.sampling import SCHEDULERS, SampleResult, SamplerSettings, sample
+from .generation.sampling import SampleResult, SamplerSettings, sample
+from .generation.schedules import SCHEDULERS
 from .generation.tiling import VAETiling
 from .generation.windows import FUSE_METHODS, SCHEDULES, ContextWindowOptions
 from .load.folder import find_pipeline_folders, inspect_pipeline_folder

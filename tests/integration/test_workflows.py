@@ -309,6 +309,8 @@ def test_every_node_and_input_is_described(comfy_server):
         "WanVACEOffloadOptions",
         "WanVACEParallelOptions",
         "WanVACELoraLoader",
+        "WanVACEScheduler",
+        "WanVACEGuidanceOptions",
     }
     for name, node in ours.items():
         assert node["description"].strip(), name

@@ -28,10 +28,8 @@ from .conditioning import VACEConditioning
 from .guidance import BatchedGuidance, Guidance, GuidanceOptions, combine
 from .limits import check_frames, size_limits_of
 from .schedules import (
-    SCHEDULERS,
     STOCHASTIC_SCHEDULERS,
     step_sigmas,
-    takes_sigmas,
     timesteps_for,
     validate_scheduler,
     validate_sigmas,
@@ -96,12 +94,6 @@ class SamplerSettings:
             raise WanVACEInputError(
                 f"steps={self.steps} disagrees with the {len(self.sigmas)} sigmas ({len(self.sigmas) - 1} steps); "
                 "with sigmas, steps is their count less one."
-            )
-        if not takes_sigmas(self.scheduler):
-            usable = ", ".join(name for name in SCHEDULERS if takes_sigmas(name))
-            raise WanVACEInputError(
-                f"scheduler={self.scheduler!r} cannot step a given list of sigmas with this diffusers; set the "
-                f"scheduler to one of {usable}, or connect a SAMPLER (KSamplerSelect) to step them."
             )
 
 
@@ -312,8 +304,13 @@ def sample(
         return SampleResult(latents=latents, cache_report=None if report is None else CacheReport.from_plain(report))
     guidance = guidance or (BatchedGuidance() if batched_cfg else Guidance())
     _check_conditioning_matches(model, cond)
-    scheduler, timesteps = scheduled_timesteps(model, settings)
-    sigmas = step_sigmas(scheduler)
+    if stepper is not None and settings.sigmas is not None:
+        # The outside solver steps the given schedule itself: no built-in scheduler is set up for it.
+        scheduler, sigmas = None, torch.tensor(settings.sigmas, dtype=torch.float32)
+        timesteps = (sigmas[:-1] * model.num_train_timesteps).to(model.device)
+    else:
+        scheduler, timesteps = scheduled_timesteps(model, settings)
+        sigmas = step_sigmas(scheduler)
     plan = _plan(model, settings)
     call_timesteps = timesteps
     if stepper is not None:

@@ -111,13 +111,19 @@ def timesteps_for(scheduler_config: dict, settings, device: torch.device | str =
     `assert` on its last step, Euler raise an IndexError, or silently step with the wrong sigmas.
     """
     if settings.sigmas is not None:
+        if not takes_sigmas(settings.scheduler):
+            usable = ", ".join(name for name in SCHEDULERS if takes_sigmas(name))
+            raise WanVACEInputError(
+                f"scheduler={settings.scheduler!r} cannot step a given list of sigmas with this diffusers; set the "
+                f"scheduler to one of {usable}, or connect a SAMPLER (KSamplerSelect) to step them."
+            )
         # The sigmas are the schedule as given: diffusers shifts what it is handed, and a shift of 1 is the identity.
         scheduler = scheduler_from_config(scheduler_config, settings.scheduler, 1.0)
-        scheduler.set_timesteps(sigmas=list(settings.sigmas[:-1]), device=device)
+        scheduler.set_timesteps(sigmas=np.array(settings.sigmas[:-1], dtype=np.float64), device=device)
     elif settings.scheduler == "distill":
         scheduler = scheduler_from_config(scheduler_config, settings.scheduler, settings.shift)
         evenly_spaced = np.linspace(1.0, 1.0 / settings.steps, settings.steps)
-        scheduler.set_timesteps(sigmas=list(evenly_spaced), device=device)
+        scheduler.set_timesteps(sigmas=evenly_spaced, device=device)
     else:
         scheduler = scheduler_from_config(scheduler_config, settings.scheduler, settings.shift)
         scheduler.set_timesteps(settings.steps, device=device)
