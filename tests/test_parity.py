@@ -254,3 +254,44 @@ def test_each_step_reports_the_denoised_estimate_of_diffusers_trajectory(loaded_
         velocity = (x_next - x) / (sigmas[index + 1] - sigmas[index])
         torch.testing.assert_close(denoised, x - sigmas[index] * velocity, rtol=1e-4, atol=1e-4)
     assert torch.equal(reported[-1], trajectory[-1]), "the last step lands on its own estimate (sigma 0)"
+
+
+@pytest.mark.parametrize("windows", [False, True])
+def test_euler_over_sigmas_equal_to_its_own_schedule_is_bitwise_the_built_in_euler(windows, loaded_models):
+    """ComfyUI's SIGMAS input: a schedule equal to the built-in euler's own steps the same run, bit for bit."""
+    from wanvace_core.generation.schedules import timesteps_for
+    from wanvace_core.generation.windows import ContextWindowOptions
+
+    model = loaded_models("fp32")
+    case = build_task("v2v")
+    cond = prepare_conditioning(model, VACEInputs(PROMPT, NEGATIVE, WIDTH, HEIGHT, LENGTH, **case.ours))
+    built_in = SamplerSettings(seed=SEED, steps=STEPS, cfg=CFG, cfg_low_noise=CFG_LOW, shift=8.0, scheduler="euler")
+    scheduler, _ = timesteps_for(model.scheduler_config, built_in)
+    given = SamplerSettings(
+        seed=SEED,
+        steps=STEPS,
+        cfg=CFG,
+        cfg_low_noise=CFG_LOW,
+        scheduler="euler",
+        sigmas=tuple(scheduler.sigmas.tolist()),
+    )
+    options = ContextWindowOptions(context_length=5, context_overlap=0) if windows else None
+    assert torch.equal(
+        sample_latents(model, cond, given, windows=options), sample_latents(model, cond, built_in, windows=options)
+    )
+
+
+def test_distill_schedule_is_lightx2vs_four_timesteps_shifted_once():
+    """lightx2v's Wan2.2 4-step distill configs: denoising_step_list [1000, 750, 500, 250], sample_shift 5, the shift
+    applied once, sigma' = shift s / (1 + (shift - 1) s) with s = t / 1000."""
+    from wanvace_core.generation.schedules import timesteps_for
+
+    settings = SamplerSettings(seed=0, steps=4, cfg=1.0, cfg_low_noise=1.0, shift=5.0, scheduler="distill")
+    scheduler, timesteps = timesteps_for({"num_train_timesteps": 1000, "flow_shift": 3.0}, settings)
+    expected = [5 * s / (1 + 4 * s) for s in (1.0, 0.75, 0.5, 0.25)] + [0.0]
+    torch.testing.assert_close(
+        scheduler.sigmas.double(), torch.tensor(expected, dtype=torch.float64), rtol=1e-6, atol=1e-6
+    )
+    torch.testing.assert_close(
+        timesteps.double(), torch.tensor(expected[:-1], dtype=torch.float64) * 1000, rtol=1e-6, atol=1e-4
+    )
