@@ -39,6 +39,7 @@ def step_previewer(model, conditioning, steps: int) -> Callable[[int, int, torch
         preview = None
         if previewer is not None:
             preview = previewer.decode_latent_to_preview_image(PREVIEW_FORMAT, denoised[:, :, references:])
-        progress.update_absolute(index + 1, total, preview)
+        # An adaptive solver (dpm_adaptive) may report more steps than its schedule has.
+        progress.update_absolute(min(index + 1, total), total, preview)
 
     return on_step

@@ -201,3 +201,20 @@ def test_decode_refuses_a_latent_that_is_not_a_wan_video_latent(loaded_models):
 
     with pytest.raises(WanVACEInputError, match="samples has shape"):
         decode(loaded_models("fp32"), torch.zeros(1, 4, 8, 8))
+
+
+def test_a_solver_call_counts_with_the_step_whose_interval_holds_its_sigma():
+    from wanvace_core.generation.stepping import step_index_at
+
+    sigmas = torch.tensor([1.0, 0.8, 0.5, 0.2, 0.0])
+    assert [step_index_at(sigmas, sigma) for sigma in (1.0, 0.9, 0.8, 0.80001, 0.79999, 0.6, 0.2, 0.1, 0.0)] == [
+        0,
+        0,
+        1,
+        1,
+        1,
+        1,
+        3,
+        3,
+        3,
+    ]

@@ -394,13 +394,10 @@ def _built_in_steps(predict, scheduler, timesteps, sigmas, latents, settings, ca
 
 
 def _outside_steps(predict, stepper, sigmas, noise, settings, num_train_timesteps, callback):
-    current = {"index": 0}
-
     def denoiser(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
         sigma = sigma.reshape(-1)[0].to("cpu", torch.float32)
-        current["index"] = stepping.step_index_at(sigmas, float(sigma), current["index"])
         t = (sigma * num_train_timesteps).to(x.device)
-        return _denoised(x, sigma, predict(current["index"], t, x, sigma))
+        return _denoised(x, sigma, predict(stepping.step_index_at(sigmas, float(sigma)), t, x, sigma))
 
     def on_step(index: int, total: int, denoised: torch.Tensor) -> None:
         if callback is not None:

@@ -37,10 +37,9 @@ class Stepper(Protocol):
         ...
 
 
-def step_index_at(sigmas: torch.Tensor, sigma: float, previous: int) -> int:
-    """The schedule step a denoiser call at `sigma` belongs to: the step whose sigma it is (within float rounding),
-    else, for a solver's intermediate call between two steps, the step before it (`previous`), as ComfyUI's context
-    windows count steps."""
-    matches = torch.isclose(sigmas[:-1], torch.tensor(float(sigma), dtype=sigmas.dtype), rtol=1e-4, atol=0.0)
-    found = matches.nonzero()
-    return int(found[0, 0]) if len(found) else previous
+def step_index_at(sigmas: torch.Tensor, sigma: float) -> int:
+    """The schedule step a denoiser call at `sigma` belongs to: the step whose interval `[sigmas[i], sigmas[i+1])`
+    holds it (its own sigma within float rounding included), so a solver's intermediate calls (heun, dpm_2) count
+    with the step they start from, and an adaptive solver's (dpm_fast) with the step it has reached."""
+    reached = (sigmas[:-1] >= float(sigma) * (1.0 - 1e-4)).nonzero()
+    return int(reached[-1, 0]) if len(reached) else 0
