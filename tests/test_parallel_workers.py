@@ -89,6 +89,41 @@ def test_cfg_parallel_equals_one_process_bitwise_with_and_without_cache(referenc
     assert all(expert.cached_steps and expert.cfg_cached_steps for expert in report.experts), report
 
 
+def test_guidance_rules_and_hooks_run_in_the_workers_and_equal_one_process_bitwise(reference, cfg_parallel_model):
+    """CFG parallel: each rank computes one branch, both combine (APG's momentum, CFG-Zero*) after the exchange; SLG
+    finds the negative pass on its rank, NAG and RIFLEx run inside the experts there."""
+    from wanvace_core.generation.guidance import APGOptions, ExpertGuidance, GuidanceOptions
+    from wanvace_core.runtime.attention_guidance import NAGOptions, SkipLayerOptions
+
+    model, cond = reference
+    rules = GuidanceOptions(
+        high_noise=ExpertGuidance(apg=APGOptions(momentum=-0.5)),
+        low_noise=ExpertGuidance(cfg_zero_star=True, zero_init_steps=1),
+        slg=SkipLayerOptions(blocks=(1,), start_percent=0.0),
+        riflex_index=-1,
+    )
+    expected = sample(model, cond, SETTINGS, rules=rules).latents
+    assert not torch.equal(expected, sample(model, cond, SETTINGS).latents)
+    assert torch.equal(sample(cfg_parallel_model, cond, SETTINGS, rules=rules).latents, expected)
+    nag_settings = SamplerSettings(seed=5, steps=6, cfg=5.0, cfg_low_noise=1.0)
+    nag = GuidanceOptions(nag=NAGOptions())
+    expected = sample(model, cond, nag_settings, rules=nag).latents
+    assert torch.equal(sample(cfg_parallel_model, cond, nag_settings, rules=nag).latents, expected)
+
+
+def test_an_outside_solver_with_workers_is_refused_naming_the_inputs(reference, cfg_parallel_model):
+    _, cond = reference
+
+    class NeverCalled:
+        def call_sigmas(self, sigmas):
+            raise AssertionError("the refusal comes first")
+
+        run = call_sigmas
+
+    with pytest.raises(WanVACEInputError, match="disconnect the sampler input"):
+        sample(cfg_parallel_model, cond, SETTINGS, stepper=NeverCalled())
+
+
 def test_context_windows_run_in_the_workers_and_equal_one_process_bitwise(reference, cfg_parallel_model):
     model, cond = reference
     # LENGTH frames are 3 latent frames: 5-frame windows (2 latent) without overlap give 2 windows.
