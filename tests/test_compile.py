@@ -185,6 +185,29 @@ def test_loras_and_layerwise_offload_run_compiled(model, tmp_path):
         replan(model, RuntimePlan())
 
 
+def test_guidance_inside_the_experts_runs_compiled_and_traces_once(model):
+    """NAG's hooks sit inside the compiled blocks (cross-attention), SLG's on them, RIFLEx's on the rope: compiled runs
+    equal eager ones within rounding, and a second run with another seed and prompt traces nothing new."""
+    from wanvace_core.generation.guidance import GuidanceOptions
+    from wanvace_core.runtime.attention_guidance import NAGOptions, SkipLayerOptions
+
+    rules = GuidanceOptions(nag=NAGOptions(), slg=SkipLayerOptions(blocks=(1,), start_percent=0.0), riflex_index=-1)
+    settings = SamplerSettings(seed=3, steps=4, cfg=4.0, cfg_low_noise=1.0)
+    cond = _cond(model)
+    eager, _ = _run(model, cond, settings, rules=rules)
+    _set_compile(model, True)
+    try:
+        compiled, calls = _run(model, cond, settings, rules=rules)
+        assert calls > 0
+        assert (compiled.latents - eager.latents).abs().max().item() <= LATENT_TOLERANCE
+        warm = _unique_graphs()
+        other = SamplerSettings(seed=9, steps=4, cfg=4.0, cfg_low_noise=1.0)
+        _run(model, _cond(model, prompt="a red kite over a beach"), other, rules=rules)
+        assert _unique_graphs() == warm
+    finally:
+        _set_compile(model, False)
+
+
 def test_a_machine_that_cannot_build_kernels_is_refused_before_loading(tiny_folder, monkeypatch):
     def no_reading(*args, **kwargs):
         raise AssertionError("weights were read for a refused compile choice")
