@@ -14,7 +14,7 @@ import comfy.samplers
 import torch
 
 from ..wanvace_core.errors import WanVACEInputError
-from ..wanvace_core.generation.stepping import Denoiser, StepCallback
+from ..wanvace_core.generation.stepping import DenoisedParts, Denoiser, StepCallback
 
 # A probe runs the sampler on one latent element with stand-in denoisers.
 _PROBE_SHAPE = (1, 1, 1, 1, 1)
@@ -66,21 +66,41 @@ class WanVACEDenoiser:
         self.model_patcher = _ModelPatcher(self, model_sampling)
 
     def __call__(self, x: torch.Tensor, sigma: torch.Tensor, model_options: dict | None = None, seed=None):
-        if (model_options or {}).get("sampler_post_cfg_function"):
-            # cfg_pp samplers recombine the guided and the negative prediction after CFG; the dual-expert denoiser
-            # returns only the guided one, and running them without it would silently be another sampler.
-            plain = self._sampler_name.replace("_cfg_pp", "")
-            fix = (
-                f"choose {plain}, its plain variant,"
-                if plain != self._sampler_name
-                else "choose a sampler that is not CFG++ (euler, dpmpp_2m, res_multistep, ...)"
+        post_cfg = (model_options or {}).get("sampler_post_cfg_function", [])
+        if not post_cfg:
+            return self._denoiser(x, sigma)
+        # CFG++ (cfg_pp) samplers read the negative estimate through a post-CFG function, as ComfyUI's cfg_function
+        # hands it to them (the same arguments, in both ComfyUI versions).
+        parts = self._denoiser(x, sigma, parts=True)
+        if parts.uncond_denoised is None:
+            raise cfg_pp_refusal(self._sampler_name)
+        denoised = parts.denoised
+        for function in post_cfg:
+            denoised = function(
+                {
+                    "denoised": denoised,
+                    "cond": None,
+                    "uncond": None,
+                    "cond_scale": parts.scale,
+                    "model": self,
+                    "uncond_denoised": parts.uncond_denoised,
+                    "cond_denoised": parts.cond_denoised,
+                    "sigma": sigma,
+                    "model_options": model_options,
+                    "input": x,
+                }
             )
-            raise WanVACEInputError(
-                f"the SAMPLER {self._sampler_name} is a CFG++ (cfg_pp) sampler, which needs the negative prediction "
-                f"apart from the guided one; the WanVACE sampler does not provide it yet. {fix[0].upper()}{fix[1:]} "
-                "in KSamplerSelect."
-            )
-        return self._denoiser(x, sigma)
+        return denoised
+
+
+def cfg_pp_refusal(name: str) -> WanVACEInputError:
+    plain = name.replace("_cfg_pp", "")
+    other = f"{plain}, its plain variant" if plain != name else "a sampler that is not CFG++ (euler, dpmpp_2m, ...)"
+    return WanVACEInputError(
+        f"the SAMPLER {name} is a CFG++ (cfg_pp) sampler, which needs each step's negative prediction, but an expert "
+        f"of this run has cfg 1 (no negative pass); raise cfg and cfg_low_noise above 1, or choose {other} in "
+        "KSamplerSelect."
+    )
 
 
 def sampler_name(sampler) -> str:
@@ -107,6 +127,9 @@ class ComfySamplerStepper:
     def run(
         self, denoiser: Denoiser, noise: torch.Tensor, sigmas: torch.Tensor, seed: int, on_step: StepCallback
     ) -> torch.Tensor:
+        if not denoiser.negative_pass_everywhere and self._uses_post_cfg(sigmas):
+            raise cfg_pp_refusal(self.name)  # before the first step, not at the first step without a negative pass
+
         def callback(index: int, denoised: torch.Tensor, _x: torch.Tensor, total: int) -> None:
             on_step(index, total, denoised)
 
@@ -114,14 +137,20 @@ class ComfySamplerStepper:
 
     def _probe(self, sigmas: torch.Tensor, denoised_of) -> tuple[float, ...]:
         called: list[float] = []
+        stand_in = _StandIn(lambda x, sigma: called.append(float(sigma.reshape(-1)[0])) or denoised_of(x, sigma))
+        self._run_stand_in(stand_in, sigmas)
+        return tuple(called)
 
-        def stand_in(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
-            called.append(float(sigma.reshape(-1)[0]))
-            return denoised_of(x, sigma)
+    def _uses_post_cfg(self, sigmas: torch.Tensor) -> bool:
+        """Whether this sampler asks for the negative estimate (CFG++), from a run on one element (its first call)."""
+        stand_in = _StandIn(lambda x, _sigma: torch.zeros_like(x))
+        self._run_stand_in(stand_in, sigmas[:2])
+        return stand_in.asked_for_parts
+
+    def _run_stand_in(self, stand_in, sigmas: torch.Tensor) -> None:
 
         noise = torch.randn(_PROBE_SHAPE, generator=torch.Generator().manual_seed(_PROBE_SEED))
         self._sample(stand_in, noise, sigmas.to("cpu", torch.float32), _PROBE_SEED, None)
-        return tuple(called)
 
     def call_sigmas(self, sigmas: torch.Tensor) -> tuple[float, ...] | None:
         """The sigma of each denoiser call, from two runs on a one-element latent with stand-in denoisers (a
@@ -131,6 +160,23 @@ class ComfySamplerStepper:
         smooth = self._probe(sigmas, lambda x, _sigma: torch.zeros_like(x))
         rough = self._probe(sigmas, lambda x, sigma: x + 10.0 * torch.sin(1000.0 * sigma).reshape(-1, 1, 1, 1, 1))
         return smooth if smooth == rough else None
+
+
+class _StandIn:
+    """A stand-in denoiser for probing a sampler: `estimate(x, sigma)` as every estimate (a run without guidance)."""
+
+    negative_pass_everywhere = True
+
+    def __init__(self, estimate) -> None:
+        self.estimate = estimate
+        self.asked_for_parts = False
+
+    def __call__(self, x: torch.Tensor, sigma: torch.Tensor, parts: bool = False):
+        denoised = self.estimate(x, sigma)
+        if not parts:
+            return denoised
+        self.asked_for_parts = True
+        return DenoisedParts(denoised, denoised, denoised, 1.0)
 
 
 def stepper_for(sampler, shift: float) -> ComfySamplerStepper:

@@ -211,6 +211,10 @@ class _Predictor:
     running: dict = dataclasses.field(default_factory=dict)
 
     def __call__(self, index: int, t: torch.Tensor, latents: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        return self.parts(index, t, latents, sigma)[0]
+
+    def parts(self, index: int, t: torch.Tensor, latents: torch.Tensor, sigma: torch.Tensor):
+        """(the guided velocity, the conditional one, the unconditional one or None at cfg 1, the expert's cfg)."""
         cond, cached = self.cond, self.cached
         expert, scale = self.plan.pick(self.model, t, self.settings)
         hints = cond.applies_hints_at(index, self.steps)
@@ -238,12 +242,17 @@ class _Predictor:
                 lambda position: _before_window(position, self.between_windows, cached),
             )
         if scale <= 1.0:
-            return predictions
+            return predictions, predictions, None, scale
         high_noise = expert is self.model.transformer or self.model.transformer is None
         rule = self.rules.high_noise if high_noise else self.rules.low_noise
         noise_pred, noise_uncond = predictions.chunk(2)
         name = "transformer" if high_noise else "transformer_2"
-        return combine(rule, self.running, name, noise_pred, noise_uncond, scale, index, latents, sigma)
+        guided = combine(rule, self.running, name, noise_pred, noise_uncond, scale, index, latents, sigma)
+        return guided, noise_pred, noise_uncond, scale
+
+    def negative_pass_at(self, timesteps) -> bool:
+        """Whether every step at these timesteps runs a negative pass (cfg above 1 on its expert)."""
+        return all(self.plan.pick(self.model, t, self.settings)[1] > 1.0 for t in timesteps)
 
 
 def _denoised(latents: torch.Tensor, sigma: torch.Tensor, velocity: torch.Tensor) -> torch.Tensor:
@@ -393,14 +402,30 @@ def _built_in_steps(predict, scheduler, timesteps, sigmas, latents, settings, ca
     return latents
 
 
-def _outside_steps(predict, stepper, sigmas, noise, settings, num_train_timesteps, callback):
-    def denoiser(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
-        sigma = sigma.reshape(-1)[0].to("cpu", torch.float32)
-        t = (sigma * num_train_timesteps).to(x.device)
-        return _denoised(x, sigma, predict(stepping.step_index_at(sigmas, float(sigma)), t, x, sigma))
+class _DualExpertDenoiser:
+    """The run as an outside solver sees it (`stepping.Denoiser`): x0 from x and sigma, and on request its parts."""
 
+    def __init__(self, predict: _Predictor, sigmas: torch.Tensor, num_train_timesteps: int) -> None:
+        self.predict = predict
+        self.sigmas = sigmas
+        self.num_train_timesteps = num_train_timesteps
+        self.negative_pass_everywhere = predict.negative_pass_at(sigmas[:-1] * num_train_timesteps)
+
+    def __call__(self, x: torch.Tensor, sigma: torch.Tensor, parts: bool = False):
+        sigma = sigma.reshape(-1)[0].to("cpu", torch.float32)
+        t = (sigma * self.num_train_timesteps).to(x.device)
+        index = stepping.step_index_at(self.sigmas, float(sigma))
+        guided, cond, uncond, scale = self.predict.parts(index, t, x, sigma)
+        if not parts:
+            return _denoised(x, sigma, guided)
+        uncond_denoised = None if uncond is None else _denoised(x, sigma, uncond)
+        return stepping.DenoisedParts(_denoised(x, sigma, guided), _denoised(x, sigma, cond), uncond_denoised, scale)
+
+
+def _outside_steps(predict, stepper, sigmas, noise, settings, num_train_timesteps, callback):
     def on_step(index: int, total: int, denoised: torch.Tensor) -> None:
         if callback is not None:
             callback(index, total, denoised)
 
+    denoiser = _DualExpertDenoiser(predict, sigmas, num_train_timesteps)
     return stepper.run(denoiser, noise, sigmas, settings.seed, on_step)

@@ -9,12 +9,29 @@ cache and LoRA as its own loop does, and turns the expert's velocity into `x - s
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
-Denoiser = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-"""`(x, sigma) -> x0`: x fp32 `[1, C, T, h, w]` (reference frames first), sigma a 0-d or `[1]` tensor; x0 fp32."""
+
+class DenoisedParts(NamedTuple):
+    """One denoiser call's estimates (fp32): the guided one, the conditional and, where the expert runs a negative
+    pass, the unconditional one; and that expert's cfg. What CFG++ solvers recombine."""
+
+    denoised: torch.Tensor
+    cond_denoised: torch.Tensor
+    uncond_denoised: torch.Tensor | None
+    scale: float
+
+
+class Denoiser(Protocol):
+    """`(x, sigma) -> x0`: x fp32 `[1, C, T, h, w]` (reference frames first), sigma a 0-d or `[1]` tensor; x0 fp32.
+    With `parts=True`, the call's `DenoisedParts`. `negative_pass_everywhere`: whether every step of the schedule
+    runs a negative pass (cfg above 1 on its expert)."""
+
+    negative_pass_everywhere: bool
+
+    def __call__(self, x: torch.Tensor, sigma: torch.Tensor, parts: bool = False): ...
 
 StepCallback = Callable[[int, int, torch.Tensor], None]
 """Called after every step with (step index, total steps, the denoised estimate x0 `[1, C, T, h, w]`, reference frames
