@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -218,3 +220,29 @@ def test_a_solver_call_counts_with_the_step_whose_interval_holds_its_sigma():
         3,
         3,
     ]
+
+
+def test_a_schedule_starting_below_the_expert_switch_is_refused_unless_asked_for(loaded_models):
+    model = loaded_models("fp32")
+    cond = prepare_conditioning(model, VACEInputs(PROMPT, NEGATIVE, WIDTH, HEIGHT, LENGTH))
+    low_half = (0.6, 0.3, 0.0)  # SplitSigmas' low half of a schedule that crossed 0.875
+    settings = SamplerSettings(seed=1, steps=2, cfg=4.0, cfg_low_noise=3.0, scheduler="euler", sigmas=low_half)
+    with pytest.raises(WanVACEInputError, match=r"sigmas start at 0\.6, below the expert switch at 0\.875"):
+        sample(model, cond, settings)
+    alone = dataclasses.replace(settings, boundary_ratio=1.0)
+    assert torch.isfinite(sample(model, cond, alone).latents).all()
+
+
+@pytest.mark.parametrize(
+    ("sigmas", "message"),
+    [
+        ((1.0,), "at least 2"),
+        ((1.0, 0.5, 0.6, 0.0), "must fall strictly"),
+        ((1.0, 0.5), "not 0"),
+        ((1.5, 0.5, 0.0), "above 1.0"),
+        ((1.0, float("nan"), 0.0), "NaN"),
+    ],
+)
+def test_impossible_sigmas_are_refused_naming_the_fix(sigmas, message):
+    with pytest.raises(WanVACEInputError, match=message):
+        SamplerSettings(seed=1, steps=max(1, len(sigmas) - 1), cfg=4.0, cfg_low_noise=3.0, sigmas=sigmas)

@@ -186,6 +186,21 @@ def _expert_runs(
     ]
 
 
+def _check_schedule_reaches_the_high_noise_expert(
+    plan: _ExpertPlan, settings: SamplerSettings, timesteps, num_train_timesteps: int
+) -> None:
+    """A given schedule that starts below the expert switch would silently never run the high-noise expert."""
+    if settings.sigmas is None or plan.boundary_timestep is None or settings.boundary_ratio is not None:
+        return
+    if float(timesteps[0]) < plan.boundary_timestep:
+        boundary = plan.boundary_timestep / num_train_timesteps
+        raise WanVACEInputError(
+            f"sigmas start at {settings.sigmas[0]:.4g}, below the expert switch at {boundary:.4g}, so the high-noise "
+            "expert would never run; connect a schedule that starts above it (the whole schedule, or SplitSigmas' "
+            "high half first), or set boundary_ratio to 1.0 to run the low-noise expert alone on purpose."
+        )
+
+
 def _before_window(position: int, between_windows: Callable[[], None] | None, cached: CachedExperts | None) -> None:
     if between_windows is not None:
         between_windows()
@@ -321,6 +336,7 @@ def sample(
         scheduler, timesteps = scheduled_timesteps(model, settings)
         sigmas = step_sigmas(scheduler)
     plan = _plan(model, settings)
+    _check_schedule_reaches_the_high_noise_expert(plan, settings, timesteps, model.num_train_timesteps)
     call_timesteps = timesteps
     if stepper is not None:
         call_sigmas = stepper.call_sigmas(sigmas)
