@@ -2,8 +2,10 @@
 
     .venvs/current/bin/python bench/bench_preview.py [--comfy-dir .cache/comfyui-current] [--threads 2]
 
-The preview is nodes/preview.py's step callback with ComfyUI's latent2rgb previewer (no server attached, so
-the progress hook is a no-op) on a realistic latent: 81 frames at 720p with one reference image,
+The preview is nodes/preview.py's step callback with ComfyUI's latent2rgb previewer, and with its LightTAE previewer
+(`--preview-method taesd` with a random-weight `lighttaew2_1` of ComfyUI's own TAEHV class in a temporary
+`vae_approx`; the weights do not change the cost), no server attached (the progress hook is a no-op), on a
+realistic denoised estimate: 81 frames at 720p with one reference image,
 [1, 16, 1 + 21, 90, 160] fp32. "encode" is what ComfyUI's server then does with it off the sampler
 thread (fit to --preview-size, JPEG at quality 95), done here with PIL. The step is the core loop on the
 tiny random-weight model (tests' default spec) at --width/--height/--length, timed from its callback.
@@ -55,6 +57,21 @@ def _comfy_preview_module(comfy_dir: Path):
     return comfy.cli_args, module
 
 
+def _random_lighttae(folder: Path) -> None:
+    """A random-weight LightTAE for Wan 2.1 (ComfyUI's TAEHV, stored fp32: fp16 reads as HunyuanVideo's taehv)."""
+    import comfy.taesd.taehv
+    import folder_paths
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    module = comfy.taesd.taehv.TAEHV(latent_channels=16)
+    save_file(
+        {name: value.contiguous() for name, value in module.state_dict().items()},
+        str(folder / "lighttaew2_1.safetensors"),
+    )
+    folder_paths.add_model_folder_path("vae_approx", str(folder))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     default_dir = os.environ.get("WANVACE_COMFY_DIR", str(REPO / ".cache" / "comfyui-current"))
@@ -74,10 +91,14 @@ def main() -> None:
     conditioning = SimpleNamespace(num_reference_images=1)
     latents = torch.randn(REAL_LATENT, generator=torch.Generator().manual_seed(0))
     results = {}
-    for method in ("latent2rgb", "none"):
+    lighttae_folder = tempfile.TemporaryDirectory()
+    _random_lighttae(Path(lighttae_folder.name))
+    for method in ("latent2rgb", "taesd", "none"):
         cli_args.args.preview_method = cli_args.LatentPreviewMethod(method)
         step = preview.step_previewer(model, conditioning, steps=args.repeats + 1)
-        results[method] = _median_ms(lambda step=step: step(0, args.repeats + 1, latents), args.repeats)
+        # LightTAE decodes a full-size frame through a convolutional decoder: seconds per call on a CPU core.
+        repeats = min(args.repeats, 3) if method == "taesd" else args.repeats
+        results[method] = _median_ms(lambda step=step: step(0, args.repeats + 1, latents), repeats)
 
     cli_args.args.preview_method = cli_args.LatentPreviewMethod("latent2rgb")
     image_format, image, size = preview.latent_preview.get_previewer(
@@ -106,13 +127,16 @@ def main() -> None:
     print(f"ComfyUI {args.comfy_dir}, torch {torch.__version__}, {args.threads} threads")
     print(f"preview latent {list(REAL_LATENT)} fp32 (1 reference frame), preview image {image.size} -> {size}px")
     print(f"  latent2rgb preview per step: {results['latent2rgb']:.3f} ms")
+    print(f"  LightTAE (taesd) preview per step: {results['taesd']:.3f} ms")
     print(f"  preview method none per step: {results['none']:.3f} ms")
     print(f"  server-side fit + JPEG encode: {results['encode']:.3f} ms")
     print(
         f"tiny-model step ({args.width}x{args.height}x{args.length}, CFG 5): {step_ms:.1f} ms -> "
         f"latent2rgb preview = {100 * results['latent2rgb'] / step_ms:.2f}% of it, "
-        f"with encode {100 * (results['latent2rgb'] + results['encode']) / step_ms:.2f}%"
+        f"with encode {100 * (results['latent2rgb'] + results['encode']) / step_ms:.2f}%; "
+        f"LightTAE = {100 * results['taesd'] / step_ms:.2f}%"
     )
+    lighttae_folder.cleanup()
 
 
 if __name__ == "__main__":
