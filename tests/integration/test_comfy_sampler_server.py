@@ -144,8 +144,12 @@ def test_cancel_on_the_sampler_path_then_a_new_seed_gives_the_uncancelled_result
 
     after = comfy_server.run_prompt(_graph(72, "cancel_b", steps=steps))
     assert after.status == "success", after.error
-    # The sampler ran again (not served from ComfyUI's cache), and its result is that of a run never cancelled.
+    # The sampler ran again (not served from ComfyUI's cache, which did serve the unchanged loader and conditioning),
+    # and its result is that of a run never cancelled.
     served = _saved_latent(after.assert_ran(sampler))
+    graph = _graph(72, "x", steps=steps)
+    unchanged = {node_id_of(graph, "WanVACEModelLoader"), node_id_of(graph, "WanVACEConditioning")}
+    assert unchanged <= set(after.cached_nodes()), after.cached_nodes()
     error = _relative(served, _core(tiny, 72, _simple_sigmas(SHIFT, steps)))
     print(f"after the cancel, {steps} steps: max |diff| / max |ref| = {error:.3g}")
     assert error < SAMPLER_RTOL, error
