@@ -268,7 +268,7 @@ WORKFLOW_TITLES = {
     "v2v" + STYLE_LORA_VARIANT: "13 Control Video, style LoRA",
     "v2v" + LONG_VARIANT: "14 Long Control Video",
     "extension" + LONG_VARIANT: "15 Long Extension",
-    "t2v" + COMFY_SAMPLER_VARIANT: "16 Text to Video, ComfyUI sampler",
+    "t2v" + COMFY_SAMPLER_VARIANT: "16 Text to Video, KSampler",
 }
 # The example input files each workflow names (shipped in example_inputs/).
 EXAMPLE_INPUTS = {

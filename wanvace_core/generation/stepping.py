@@ -33,6 +33,7 @@ class Denoiser(Protocol):
 
     def __call__(self, x: torch.Tensor, sigma: torch.Tensor, parts: bool = False): ...
 
+
 StepCallback = Callable[[int, int, torch.Tensor], None]
 """Called after every step with (step index, total steps, the denoised estimate x0 `[1, C, T, h, w]`, reference frames
 first); raising stops the run."""
