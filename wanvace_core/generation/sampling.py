@@ -312,8 +312,8 @@ def sample(
             )
         if stepper is not None:
             raise WanVACEInputError(
-                "a SAMPLER cannot step experts in parallel workers yet; disconnect the sampler input (the connected "
-                "SIGMAS still work, stepped by the built-in euler) or the loader's parallel input."
+                "a SAMPLER cannot step experts in parallel workers yet; disconnect the sampler input (a connected "
+                "SIGMAS still works there, stepped by the built-in scheduler) or the loader's parallel input."
             )
         latents, report = model.remote.sample(
             cond,
