@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from workflow_graphs import TINY_MODEL, for_tiny_model, node_id_of, nodes_of_type
+from workflow_graphs import LIGHTNING_NAG, TINY_MODEL, for_tiny_model, node_id_of, nodes_of_type
 
 from wanvace_core import SamplerSettings, VACEInputs, load_pipeline, prepare_conditioning, sample, to_vae_space
 
@@ -57,22 +57,9 @@ def _graph(seed: int, prefix: str, steps: int = STEPS, sampler_name: str = "eule
 
 
 def _with_guidance(workflow: dict, **widgets) -> dict:
-    values = {
-        "rule": "cfg",
-        "experts": "both",
-        "zero_init_steps": 0,
-        "apg_eta": 1.0,
-        "apg_norm_threshold": 5.0,
-        "apg_momentum": 0.0,
-        "nag_scale": 1.0,
-        "nag_tau": 2.5,
-        "nag_alpha": 0.25,
-        "slg_blocks": "",
-        "slg_start_percent": 0.1,
-        "slg_end_percent": 1.0,
-        "riflex_index": 0,
-        **widgets,
-    }
+    """WanVACE Guidance Options into the sampler: the widgets of the Lightning workflow's node, NAG off, then
+    `widgets`."""
+    values = {**LIGHTNING_NAG, "nag_scale": 1.0, **widgets}
     workflow["800"] = {"class_type": "WanVACEGuidanceOptions", "inputs": values}
     workflow[node_id_of(workflow, "WanVACESampler")]["inputs"]["guidance"] = ["800", 0]
     return workflow
