@@ -380,7 +380,7 @@ def _in_comfyui(folder: str, out_file: str) -> None:
     import comfy.options
 
     comfy.options.enable_args_parsing()
-    torch.set_num_threads(2)
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     _import_pack(str(REPO))
     started = time.perf_counter()
     found = {"schedules": _schedules()}
@@ -397,7 +397,7 @@ def comfy_run(tmp_path_factory, tiny_folder):
     if COMFY_SKIPPED or not (DEFAULT_COMFY_DIR / "comfy").is_dir():
         pytest.skip(f"SKIPPED: no ComfyUI tree for this dependency set ({COMFY_SKIPPED or DEFAULT_COMFY_DIR})")
     out = tmp_path_factory.mktemp("comfy_sampling") / "out.pt"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "2"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(torch.get_num_threads())}
     command = [sys.executable, str(Path(__file__).resolve()), str(tiny_folder), str(out)]
     done = subprocess.run(command, cwd=DEFAULT_COMFY_DIR, env=env, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:

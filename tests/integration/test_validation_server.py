@@ -857,3 +857,43 @@ def test_reference_images_that_leave_the_video_too_few_frames_are_refused_when_t
         "length=121 gives 31 latent frames plus 2 reference frame(s) per transformer call"
     ), result.error
     assert "use length 117 or less beside 2 reference image(s)" in result.error["exception_message"]
+
+
+def _with_guidance(**values) -> tuple[dict, str]:
+    workflow = _t2v()
+    guidance = {
+        "rule": "cfg",
+        "experts": "both",
+        "zero_init_steps": 0,
+        "apg_eta": 1.0,
+        "apg_norm_threshold": 5.0,
+        "apg_momentum": 0.0,
+        "nag_scale": 1.0,
+        "nag_tau": 2.5,
+        "nag_alpha": 0.25,
+        "slg_blocks": "",
+        "slg_start_percent": 0.1,
+        "slg_end_percent": 1.0,
+        "riflex_index": 0,
+        **values,
+    }
+    workflow["710"] = {"class_type": "WanVACEGuidanceOptions", "inputs": guidance}
+    workflow[_node_id(workflow, "WanVACESampler")]["inputs"]["guidance"] = ["710", 0]
+    return workflow, "710"
+
+
+@pytest.mark.parametrize(
+    ("values", "name", "fragment"),
+    [
+        ({"rule": "pag"}, "rule", "rule='pag' is unknown; choose one of cfg"),
+        ({"experts": "middle"}, "experts", "experts='middle' is unknown"),
+        ({"slg_blocks": "9, x"}, "slg_blocks", "slg_blocks='9, x' must list block indices"),
+        ({"slg_blocks": "9", "slg_start_percent": 0.8, "slg_end_percent": 0.2}, "slg_start_percent", "swap them"),
+        ({"slg_blocks": "9", "slg_end_percent": NAN}, "slg_end_percent", "slg_end_percent=nan"),
+        ({"nag_tau": 1.0}, "nag_tau", "Value 1.0 smaller than min of 1.01"),
+        ({"apg_momentum": NAN}, "apg_momentum", "Value nan smaller than min of -1.0"),
+    ],
+)
+def test_bad_guidance_options_are_refused_once_under_their_input(values, name, fragment, comfy_server):
+    workflow, node_id = _with_guidance(**values)
+    _refused_once(comfy_server, workflow, node_id, name, fragment)
