@@ -86,8 +86,7 @@ def main() -> None:
                 hooks = []
                 if not callback:
                     hooks = [
-                        expert.register_forward_pre_hook(lambda *_, stamp=stamp: stamp())
-                        for expert in model.experts
+                        expert.register_forward_pre_hook(lambda *_, stamp=stamp: stamp()) for expert in model.experts
                     ]
                 try:
                     sample(model, cond, settings, callback=stamp if callback else None, rules=rules)
