@@ -10,20 +10,16 @@ denoiser written here from diffusers' WanVACE transformer alone (`x - sigma * v`
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
-import subprocess
 import sys
 import time
 import types
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.comfy_server import COMFY_SKIPPED, DEFAULT_COMFY_DIR
+from tests.in_comfyui import enter_comfyui, relative, run_in_comfyui
 
-REPO = Path(__file__).resolve().parents[1]
 WIDTH, HEIGHT, LENGTH = 32, 32, 5
 STEPS, SEED, CFG, CFG_LOW = 4, 7, 5.0, 3.0
 SCHEDULE_STEPS, SCHEDULE_SHIFTS = (1, 2, 8, 30), (1.0, 5.0, 8.0)
@@ -44,18 +40,6 @@ EULER_RTOL = 2e-6
 
 
 # --- the ComfyUI side (runs in the subprocess) -------------------------------------------------------------
-
-
-def _import_pack(repo: str):
-    """The pack as the package `wanvace_pack`, with an empty `nodes` package (its __init__ imports every node;
-    the name `nodes` itself is ComfyUI's nodes.py here)."""
-    spec = importlib.util.spec_from_file_location(
-        "wanvace_pack", os.path.join(repo, "__init__.py"), submodule_search_locations=[repo]
-    )
-    sys.modules["wanvace_pack"] = importlib.util.module_from_spec(spec)
-    nodes_package = types.ModuleType("wanvace_pack.nodes")
-    nodes_package.__path__ = [os.path.join(repo, "nodes")]
-    sys.modules["wanvace_pack.nodes"] = nodes_package
 
 
 def _plain_flow_sampling(shift: float):
@@ -375,13 +359,7 @@ def _through_the_core(folder: str) -> dict:
 
 
 def _in_comfyui(folder: str, out_file: str) -> None:
-    sys.path.insert(0, os.getcwd())  # the ComfyUI tree, ahead of this repository's own `nodes` package
-    sys.argv = [sys.argv[0], "--cpu"]
-    import comfy.options
-
-    comfy.options.enable_args_parsing()
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    _import_pack(str(REPO))
+    enter_comfyui()
     started = time.perf_counter()
     found = {"schedules": _schedules()}
     found["schedule_seconds"] = time.perf_counter() - started
@@ -394,19 +372,7 @@ def _in_comfyui(folder: str, out_file: str) -> None:
 
 @pytest.fixture(scope="module")
 def comfy_run(tmp_path_factory, tiny_folder):
-    if COMFY_SKIPPED or not (DEFAULT_COMFY_DIR / "comfy").is_dir():
-        pytest.skip(f"SKIPPED: no ComfyUI tree for this dependency set ({COMFY_SKIPPED or DEFAULT_COMFY_DIR})")
-    out = tmp_path_factory.mktemp("comfy_sampling") / "out.pt"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(torch.get_num_threads())}
-    command = [sys.executable, str(Path(__file__).resolve()), str(tiny_folder), str(out)]
-    done = subprocess.run(command, cwd=DEFAULT_COMFY_DIR, env=env, capture_output=True, text=True, timeout=600)
-    if done.returncode != 0:
-        raise RuntimeError(f"the run in ComfyUI failed ({done.returncode}):\n{done.stderr[-6000:]}")
-    return torch.load(out, weights_only=False)
-
-
-def _relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return float((actual - expected).abs().max() / expected.abs().max())
+    return run_in_comfyui(__file__, tiny_folder, tmp_path_factory.mktemp("comfy_sampling"))
 
 
 def test_scheduler_node_equals_calculate_sigmas_for_every_curve_steps_and_shift(comfy_run):
@@ -454,7 +420,7 @@ def test_comfy_euler_over_our_euler_sigmas_equals_our_euler(comfy_run):
     assert len(sigmas) == STEPS + 1 and sigmas[-1] == 0
     assert torch.isfinite(comfy_euler).all()
     assert not torch.equal(ours, torch.zeros_like(ours))
-    assert _relative(comfy_euler, ours) < EULER_RTOL, _relative(comfy_euler, ours)
+    assert relative(comfy_euler, ours) < EULER_RTOL, relative(comfy_euler, ours)
     assert [(index, total) for index, total, _ in steps_seen] == [(i, STEPS) for i in range(STEPS)]
     assert all(shape[:2] == (1, 16) for _, _, shape in steps_seen)
 
@@ -480,22 +446,22 @@ def test_samplers_match_the_same_comfy_sampler_over_a_reference_denoiser(comfy_r
     for name in REFERENCE_SAMPLERS:
         outcome, latents, expected, steps_ours, steps_theirs = samplers[name]
         assert outcome == "ran" and expected is not None, name
-        errors[name] = _relative(latents, expected)
+        errors[name] = relative(latents, expected)
         # The step callback gets what ComfyUI's callback gets: the step, the total and the denoised estimate x0.
         assert [step[:2] for step in steps_ours] == [step[:2] for step in steps_theirs] != [], name
         for ours, theirs in zip(steps_ours, steps_theirs, strict=True):
-            errors[name] = max(errors[name], _relative(ours[2], theirs[2]))
+            errors[name] = max(errors[name], relative(ours[2], theirs[2]))
     assert max(errors.values()) < REFERENCE_RTOL, errors
     cfg_pp_errors = {}
     for name in CFG_PP_REFERENCE_SAMPLERS:
         outcome, latents, expected, steps_ours, steps_theirs = samplers[name]
         assert outcome == "ran" and expected is not None, name
         assert [step[:2] for step in steps_ours] == [step[:2] for step in steps_theirs] != [], name
-        cfg_pp_errors[name] = _relative(latents, expected)
+        cfg_pp_errors[name] = relative(latents, expected)
     assert max(cfg_pp_errors.values()) < CFG_PP_RTOL, cfg_pp_errors
-    assert _relative(samplers["euler"][1], samplers["euler_cfg_pp"][1]) > 10 * CFG_PP_RTOL, cfg_pp_errors
+    assert relative(samplers["euler"][1], samplers["euler_cfg_pp"][1]) > 10 * CFG_PP_RTOL, cfg_pp_errors
     # Different samplers give different results: the comparison can tell them apart.
-    assert _relative(samplers["euler"][1], samplers["heun"][1]) > 100 * REFERENCE_RTOL
+    assert relative(samplers["euler"][1], samplers["heun"][1]) > 100 * REFERENCE_RTOL
 
 
 def test_heun_with_step_caching_counts_each_experts_calls_from_the_probe(comfy_run):

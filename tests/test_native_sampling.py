@@ -12,18 +12,14 @@ of the control video is not part of the comparison (its VAE would need our VAE's
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.comfy_server import COMFY_SKIPPED, DEFAULT_COMFY_DIR
+from tests.in_comfyui import enter_comfyui, relative, run_in_comfyui
 
-REPO = Path(__file__).resolve().parents[1]
 WIDTH, HEIGHT, LENGTH = 32, 32, 5
 STEPS, SEED, CFG, CFG_LOW, SHIFT = 4, 7, 5.0, 3.0, 8.0
 # Measured max |ours - native| / max |native| over the final latents (fp32, CPU): 8.3e-7 (0.33.0) and 1.05e-6
@@ -189,15 +185,7 @@ def _native(folder: str) -> dict:
 
 
 def _in_comfyui(folder: str, out_file: str) -> None:
-    sys.path.insert(0, os.getcwd())  # the ComfyUI tree, ahead of this repository's own `nodes` package
-    sys.argv = [sys.argv[0], "--cpu"]
-    import comfy.options
-
-    comfy.options.enable_args_parsing()
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    from tests.test_comfy_sampling import _import_pack
-
-    _import_pack(str(REPO))
+    enter_comfyui()
     torch.save(_native(folder), out_file)
 
 
@@ -206,22 +194,7 @@ def _in_comfyui(folder: str, out_file: str) -> None:
 
 @pytest.fixture(scope="module")
 def native_run(tmp_path_factory, tiny_folder):
-    if COMFY_SKIPPED or not (DEFAULT_COMFY_DIR / "comfy").is_dir():
-        pytest.skip(f"SKIPPED: no ComfyUI tree for this dependency set ({COMFY_SKIPPED or DEFAULT_COMFY_DIR})")
-    out = tmp_path_factory.mktemp("native_sampling") / "out.pt"
-    # The threads this test process has (tests/conftest.py shares the cores out among pytest-xdist workers): with
-    # more, the run's tiny matmuls wait on each other (measured 0.6 s against 0.6 ms for 100 of them, 2 threads
-    # against 1, on a busy 2-core machine).
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(torch.get_num_threads())}
-    command = [sys.executable, str(Path(__file__).resolve()), str(tiny_folder), str(out)]
-    done = subprocess.run(command, cwd=DEFAULT_COMFY_DIR, env=env, capture_output=True, text=True, timeout=600)
-    if done.returncode != 0:
-        raise RuntimeError(f"the run in ComfyUI failed ({done.returncode}):\n{done.stderr[-6000:]}")
-    return torch.load(out, weights_only=False)
-
-
-def _relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return float((actual - expected).abs().max() / expected.abs().max())
+    return run_in_comfyui(__file__, tiny_folder, tmp_path_factory.mktemp("native_sampling"))
 
 
 def test_scheduler_node_sigmas_equal_basic_scheduler_on_comfyuis_model_with_our_weights(native_run):
@@ -239,20 +212,20 @@ def test_comfyuis_starting_noise_is_our_initial_noise(native_run):
 def test_native_ksampler_advanced_pair_equals_our_sampler_with_comfyuis_euler(native_run):
     native, ours = native_run["native"], native_run["ours"]
     assert native.shape == ours.shape and torch.isfinite(native).all()
-    error = _relative(ours, native)
+    error = relative(ours, native)
     print(f"ours (ComfyUI euler stepper) vs native KSamplerAdvanced x2: {error:.3g}; timings {native_run['timings']}")
     assert error < NATIVE_RTOL, error
     # Our built-in euler over the same sigmas agrees as closely.
-    built_in = _relative(native_run["ours_built_in"], native)
+    built_in = relative(native_run["ours_built_in"], native)
     print(f"ours (built-in euler over the sigmas) vs native: {built_in:.3g}")
     assert built_in < NATIVE_RTOL, built_in
     # The tolerance tells the experts apart, and sees the VACE context: the native graph without the switch, or
     # with VACE strength 0, is far off.
     for control in ("unswitched", "no_vace"):
-        print(f"native {control} vs native: {_relative(native_run[control], native):.3g}")
-        assert _relative(native_run[control], native) > 100 * NATIVE_RTOL, (
+        print(f"native {control} vs native: {relative(native_run[control], native):.3g}")
+        assert relative(native_run[control], native) > 100 * NATIVE_RTOL, (
             control,
-            _relative(native_run[control], native),
+            relative(native_run[control], native),
         )
 
 

@@ -57,7 +57,8 @@ def _count_expert_calls(model):
     return counts, handles
 
 
-def _run_reference(pipeline, case, boundary_ratio, scheduler=None):
+def _run_reference(pipeline, case, boundary_ratio, scheduler=None, each_step: list | None = None):
+    """diffusers' pipeline on the case: its last latents and frames; `each_step` gets the latents after every step."""
     pipeline.register_to_config(boundary_ratio=boundary_ratio)
     if scheduler is not None:
         pipeline.scheduler = scheduler
@@ -65,6 +66,8 @@ def _run_reference(pipeline, case, boundary_ratio, scheduler=None):
 
     def keep_latents(_pipe, index, _t, kwargs):
         captured["latents"] = kwargs["latents"]
+        if each_step is not None:
+            each_step.append(kwargs["latents"])
         return {}
 
     output = pipeline(
@@ -229,22 +232,7 @@ def test_each_step_reports_the_denoised_estimate_of_diffusers_trajectory(loaded_
     trajectory = [torch.randn(1, 16, 3, HEIGHT // 8, WIDTH // 8, generator=torch.Generator("cpu").manual_seed(SEED))]
     original = reference.scheduler
     try:
-        reference.register_to_config(boundary_ratio=0.875)
-        reference.scheduler = scheduler
-        reference(
-            prompt=PROMPT,
-            negative_prompt=NEGATIVE,
-            height=HEIGHT,
-            width=WIDTH,
-            num_frames=LENGTH,
-            num_inference_steps=STEPS,
-            guidance_scale=CFG,
-            guidance_scale_2=CFG_LOW,
-            generator=torch.Generator("cpu").manual_seed(SEED),
-            output_type="latent",
-            callback_on_step_end=lambda _p, _i, _t, kwargs: trajectory.append(kwargs["latents"]) or {},
-            **case.theirs,
-        )
+        _run_reference(reference, case, 0.875, scheduler, each_step=trajectory)
     finally:
         reference.scheduler = original
     sigmas = scheduler.sigmas

@@ -16,7 +16,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from workflow_graphs import FP8_VARIANT, SINGLE_FILES, for_tiny_model
+from workflow_graphs import FP8_VARIANT, LIGHTNING_NAG, SINGLE_FILES, for_tiny_model
 
 pytestmark = pytest.mark.integration
 
@@ -861,22 +861,7 @@ def test_reference_images_that_leave_the_video_too_few_frames_are_refused_when_t
 
 def _with_guidance(**values) -> tuple[dict, str]:
     workflow = _t2v()
-    guidance = {
-        "rule": "cfg",
-        "experts": "both",
-        "zero_init_steps": 0,
-        "apg_eta": 1.0,
-        "apg_norm_threshold": 5.0,
-        "apg_momentum": 0.0,
-        "nag_scale": 1.0,
-        "nag_tau": 2.5,
-        "nag_alpha": 0.25,
-        "slg_blocks": "",
-        "slg_start_percent": 0.1,
-        "slg_end_percent": 1.0,
-        "riflex_index": 0,
-        **values,
-    }
+    guidance = {**LIGHTNING_NAG, "nag_scale": 1.0, **values}
     workflow["710"] = {"class_type": "WanVACEGuidanceOptions", "inputs": guidance}
     workflow[_node_id(workflow, "WanVACESampler")]["inputs"]["guidance"] = ["710", 0]
     return workflow, "710"
