@@ -75,39 +75,36 @@ def _comfy_conditioning(base, cond, strength: float = 1.0) -> tuple[list, list]:
     return [[cond.prompt_embeds.float(), dict(vace)]], [[cond.negative_prompt_embeds.float(), dict(vace)]]
 
 
-def _native(folder: str) -> dict:
-    import comfy.sample
-    import comfy.samplers
-    from comfy_extras.nodes_custom_sampler import BasicScheduler
+def _both_models(folder: str):
+    """Our fp32 pipeline, its conditioning for the test's prompt, and ComfyUI's model over each of its experts
+    (high, low) patched by ModelSamplingSD3 at the test's shift."""
     from comfy_extras.nodes_model_advanced import ModelSamplingSD3
-    from wanvace_pack.nodes.comfy_sampling import stepper_for
-    from wanvace_pack.nodes.scheduler import WanVACEScheduler
-    from wanvace_pack.wanvace_core import SamplerSettings, VACEInputs, load_pipeline, prepare_conditioning, sample
-    from wanvace_pack.wanvace_core.generation.sampling import initial_noise
+    from wanvace_pack.wanvace_core import VACEInputs, load_pipeline, prepare_conditioning
 
-    import nodes as comfy_nodes
-
-    found: dict = {"timings": {}}
-    started = time.perf_counter()
     model = load_pipeline(folder, "fp32")
     cond = prepare_conditioning(model, VACEInputs("a bird flies over the sea", "blurry", WIDTH, HEIGHT, LENGTH))
     high, low = (ModelSamplingSD3().patch(_comfy_model(e), SHIFT)[0] for e in (model.transformer, model.transformer_2))
+    return model, cond, high, low
 
-    # The schedule: our scheduler node's sigmas and BasicScheduler's on ComfyUI's model at the same shift.
+
+def _schedule(model) -> tuple[torch.Tensor, int]:
+    """Our scheduler node's sigmas (simple, the test's shift), and the number of steps of the high-noise expert
+    (t >= boundary x 1000)."""
+    from wanvace_pack.nodes.scheduler import WanVACEScheduler
+
     sigmas = WanVACEScheduler.execute(model, "simple", STEPS, SHIFT, 1.0).result[0]
-    found["sigmas"] = (sigmas, BasicScheduler.execute(high, "simple", STEPS, 1.0).result[0])
-    boundary = model.boundary_ratio
-    split = int((sigmas[:-1] >= boundary).sum())  # the steps of the high-noise expert (t >= boundary x 1000)
-    found["split"], found["boundary"] = split, boundary
+    return sigmas, int((sigmas[:-1] >= model.boundary_ratio).sum())
 
-    # The same starting noise: ComfyUI's prepare_noise over the empty latent, and our initial noise.
-    empty = torch.zeros(1, 16, (LENGTH - 1) // 4 + 1, HEIGHT // 8, WIDTH // 8)
-    found["noise"] = (initial_noise(model, cond, SEED), comfy.sample.prepare_noise(empty, SEED))
-    found["timings"]["setup"] = time.perf_counter() - started
 
-    # Native: two KSamplerAdvanced as ComfyUI's Wan2.2 templates chain them.
-    started = time.perf_counter()
-    positive, negative = _comfy_conditioning(high.model, cond)
+def _empty_latent() -> torch.Tensor:
+    return torch.zeros(1, 16, (LENGTH - 1) // 4 + 1, HEIGHT // 8, WIDTH // 8)
+
+
+def _native_pair(high, low, positive, negative, split: int) -> torch.Tensor:
+    """Two KSamplerAdvanced as ComfyUI's Wan2.2 templates chain them (the high-noise model over the steps before
+    `split` with leftover noise, the low-noise one after), in the normalised latent space our sampler works in."""
+    import nodes as comfy_nodes
+
     sampler = comfy_nodes.KSamplerAdvanced()
     with torch.no_grad():
         (leftover,) = sampler.sample(
@@ -120,7 +117,7 @@ def _native(folder: str) -> dict:
             "simple",
             positive,
             negative,
-            {"samples": empty},
+            {"samples": _empty_latent()},
             0,
             split,
             "enable",
@@ -140,8 +137,39 @@ def _native(folder: str) -> dict:
             10000,
             "disable",
         )
-    # Back to the normalised latent space our sampler works in, with ComfyUI's own latent format.
-    found["native"] = high.model.process_latent_in(native["samples"].float())
+    # Back with ComfyUI's own latent format.
+    return high.model.process_latent_in(native["samples"].float())
+
+
+def _native(folder: str) -> dict:
+    import comfy.sample
+    import comfy.samplers
+    from comfy_extras.nodes_custom_sampler import BasicScheduler
+    from wanvace_pack.nodes.comfy_sampling import stepper_for
+    from wanvace_pack.wanvace_core import SamplerSettings, sample
+    from wanvace_pack.wanvace_core.generation.sampling import initial_noise
+
+    import nodes as comfy_nodes
+
+    found: dict = {"timings": {}}
+    started = time.perf_counter()
+    model, cond, high, low = _both_models(folder)
+
+    # The schedule: our scheduler node's sigmas and BasicScheduler's on ComfyUI's model at the same shift.
+    sigmas, split = _schedule(model)
+    found["sigmas"] = (sigmas, BasicScheduler.execute(high, "simple", STEPS, 1.0).result[0])
+    found["split"], found["boundary"] = split, model.boundary_ratio
+
+    # The same starting noise: ComfyUI's prepare_noise over the empty latent, and our initial noise.
+    empty = _empty_latent()
+    found["noise"] = (initial_noise(model, cond, SEED), comfy.sample.prepare_noise(empty, SEED))
+    found["timings"]["setup"] = time.perf_counter() - started
+
+    # Native: two KSamplerAdvanced as ComfyUI's Wan2.2 templates chain them.
+    started = time.perf_counter()
+    positive, negative = _comfy_conditioning(high.model, cond)
+    sampler = comfy_nodes.KSamplerAdvanced()
+    found["native"] = _native_pair(high, low, positive, negative, split)
     found["timings"]["native"] = time.perf_counter() - started
 
     # Ours: ComfyUI's euler stepping our dual-expert denoiser over the scheduler node's sigmas.
