@@ -165,6 +165,11 @@ class WanVACEGuidanceOptions(io.ComfyNode):
             return f"rule={rule!r} is unknown; choose one of {', '.join(RULES)}."
         if experts is not None and experts not in EXPERTS:
             return f"experts={experts!r} is unknown; choose one of {', '.join(EXPERTS)}."
+        # SLG's percents are arguments here (their order is checked across both), so ComfyUI skips its own range
+        # check of them: both bounds, and NaN, are checked here.
+        for name, value in (("slg_start_percent", slg_start_percent), ("slg_end_percent", slg_end_percent)):
+            if value is not None and not 0.0 <= value <= 1.0:
+                return f"{name}={value} must lie in [0, 1] (a fraction of the run's steps)."
         if slg_blocks is not None and slg_start_percent is not None and slg_end_percent is not None:
             try:
                 skip_layers(slg_blocks, slg_start_percent, slg_end_percent)

@@ -237,3 +237,37 @@ def test_slg_is_refused_past_the_models_blocks_or_without_a_negative_pass(model,
         sample(model, cond, _settings(), rules=GuidanceOptions(slg=SkipLayerOptions(blocks=(0,))))
     with pytest.raises(WanVACEInputError, match=r"slg_start_percent=0\.8 is after"):
         SkipLayerOptions(start_percent=0.8, end_percent=0.2)
+
+
+def test_slg_under_step_caching_keeps_one_cached_unit_per_pass(model, cond):
+    from wanvace_core import ExpertCacheLimits
+
+    settings = SamplerSettings(seed=5, steps=6, cfg=4.0, cfg_low_noise=3.0, scheduler="euler", shift=5.0)
+    rules = GuidanceOptions(slg=SkipLayerOptions(blocks=(1,), start_percent=0.0))
+    eager = ExpertCacheLimits(max_warmup_steps=1)
+    cache = CacheOptions(residual_diff_threshold=0.3, high_noise=eager, low_noise=eager)
+    # cache-dit checks, when the run ends, that each expert made the calls it was told of: SLG adds none.
+    result = sample(model, cond, settings, rules=rules, cache=cache)
+    assert torch.isfinite(result.latents).all()
+    assert any(expert.cached_steps for expert in result.cache_report.experts), result.cache_report
+
+
+def test_nag_with_a_lora_and_with_layerwise_offload(model, cond, tmp_path):
+    from tests.lora_files import lora_content, write_lora
+    from wanvace_core.runtime.lora import LoraPatch
+    from wanvace_core.runtime.offload import OffloadOptions
+    from wanvace_core.runtime.plan import RuntimePlan, replan
+
+    rules = GuidanceOptions(nag=NAGOptions())
+    path = write_lora(tmp_path / "style.safetensors", lora_content(model, rank=4, seed=1, alpha=2.0), "lightx2v")
+    with_lora = model.with_loras(LoraPatch(path, 1.0, 1.0))
+    lora_alone = sample(with_lora, cond, _settings()).latents
+    lora_and_nag = sample(with_lora, cond, _settings(), rules=rules).latents
+    assert torch.isfinite(lora_and_nag).all() and not torch.equal(lora_and_nag, lora_alone)
+    nag = sample(model, cond, _settings(), rules=rules).latents
+    assert not torch.equal(lora_and_nag, nag)
+    replan(model, RuntimePlan(offload=OffloadOptions("layerwise")))
+    try:
+        assert torch.equal(sample(model, cond, _settings(), rules=rules).latents, nag)
+    finally:
+        replan(model, RuntimePlan())

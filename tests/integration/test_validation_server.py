@@ -874,7 +874,7 @@ def _with_guidance(**values) -> tuple[dict, str]:
         ({"experts": "middle"}, "experts", "experts='middle' is unknown"),
         ({"slg_blocks": "9, x"}, "slg_blocks", "slg_blocks='9, x' must list block indices"),
         ({"slg_blocks": "9", "slg_start_percent": 0.8, "slg_end_percent": 0.2}, "slg_start_percent", "swap them"),
-        ({"slg_blocks": "9", "slg_end_percent": NAN}, "slg_end_percent", "slg_end_percent=nan"),
+        ({"slg_blocks": "9", "slg_end_percent": NAN}, "slg_end_percent", "slg_end_percent=nan must lie in [0, 1]"),
         ({"nag_tau": 1.0}, "nag_tau", "Value 1.0 smaller than min of 1.01"),
         ({"apg_momentum": NAN}, "apg_momentum", "Value nan smaller than min of -1.0"),
     ],
