@@ -26,14 +26,14 @@ def expert_guidance(rule: str, zero_init_steps: int, apg_eta: float, apg_norm_th
     )
 
 
-def skip_layers(blocks: str, start_percent: float, end_percent: float) -> SkipLayerOptions | None:
+def skip_layers(blocks: str, start_percent: float, end_percent: float, scale: float = 0.0) -> SkipLayerOptions | None:
     """SLG from the node's text of block indices ("" = off)."""
     names = [name.strip() for name in blocks.split(",") if name.strip()]
     if not names:
         return None
     if not all(name.isdigit() for name in names):
         raise WanVACEInputError(f"slg_blocks={blocks!r} must list block indices separated by commas, like 9 or 8,9.")
-    return SkipLayerOptions(tuple(int(name) for name in names), start_percent, end_percent)
+    return SkipLayerOptions(tuple(int(name) for name in names), start_percent, end_percent, scale)
 
 
 class WanVACEGuidanceOptions(io.ComfyNode):
@@ -135,6 +135,15 @@ class WanVACEGuidanceOptions(io.ComfyNode):
                     step=0.01,
                     tooltip="SLG: last step, as a fraction of the run.",
                 ),
+                io.Float.Input(
+                    "slg_scale",
+                    default=0.0,
+                    min=nan_refusing_min(0.0),
+                    max=20.0,
+                    step=0.1,
+                    tooltip="SLG: 0 skips the blocks in the negative pass (cached as usual); above 0, an extra pass "
+                    "without them adds scale x its difference (ComfyUI's SkipLayerGuidanceDiT; 3 is typical).",
+                ),
                 io.Int.Input(
                     "riflex_index",
                     default=0,
@@ -192,13 +201,14 @@ class WanVACEGuidanceOptions(io.ComfyNode):
         slg_blocks: str = "",
         slg_start_percent: float = 0.1,
         slg_end_percent: float = 1.0,
+        slg_scale: float = 0.0,
         riflex_index: int = 0,
         guidance: GuidanceOptions | None = None,
     ) -> io.NodeOutput:
         chosen = expert_guidance(rule, zero_init_steps, apg_eta, apg_norm_threshold, apg_momentum)
         options = guidance or GuidanceOptions()
         # NAG, SLG and RIFLEx act on the whole run: a node that sets them overrides an earlier one's.
-        slg = skip_layers(slg_blocks, slg_start_percent, slg_end_percent)
+        slg = skip_layers(slg_blocks, slg_start_percent, slg_end_percent, slg_scale)
         if slg is not None:
             options = dataclasses.replace(options, slg=slg)
         if nag_scale > 1.0:

@@ -271,3 +271,33 @@ def test_nag_with_a_lora_and_with_layerwise_offload(model, cond, tmp_path):
         assert torch.equal(sample(model, cond, _settings(), rules=rules).latents, nag)
     finally:
         replan(model, RuntimePlan())
+
+
+def test_slg_with_a_scale_adds_an_extra_pass_without_the_blocks_on_its_steps(model, cond):
+    settings = SamplerSettings(seed=5, steps=4, cfg=4.0, cfg_low_noise=1.0, scheduler="euler", shift=5.0)
+    rules = GuidanceOptions(slg=SkipLayerOptions(blocks=(1,), start_percent=0.2, end_percent=1.0, scale=3.0))
+    latents, seen = _block_inputs_and_outputs(model, cond, settings, rules, 1)
+    one_pass, _ = _block_inputs_and_outputs(
+        model, cond, settings, GuidanceOptions(slg=rules.slg.__class__((1,), 0.2)), 1
+    )
+    assert not torch.equal(latents, one_pass)
+    # Steps 0-1 are the high-noise expert's at cfg 4 (positive, negative, and from step 1 on the extra pass); steps 2-3
+    # the low-noise expert's at cfg 1 (positive, then the extra pass).
+    calls = [(name, torch.equal(inp, out)) for name, inp, out in seen]
+    assert calls == [
+        ("high", False),
+        ("high", False),
+        ("high", False),
+        ("high", False),
+        ("high", True),
+        ("low", False),
+        ("low", True),
+        ("low", False),
+        ("low", True),
+    ]
+
+
+def test_slg_with_a_scale_is_refused_with_step_caching(model, cond):
+    rules = GuidanceOptions(slg=SkipLayerOptions(blocks=(1,), scale=3.0))
+    with pytest.raises(WanVACEInputError, match="set slg_scale to 0"):
+        sample(model, cond, _settings(3.0, 1.0), rules=rules, cache=CacheOptions())

@@ -364,6 +364,9 @@ def _in_comfyui(folder: str, out_file: str) -> None:
     found = {"schedules": _schedules()}
     found["schedule_seconds"] = time.perf_counter() - started
     found["core"] = _through_the_core(folder)
+    from tests.comfy_guidance_nodes import guidance_node_cases
+
+    found["guidance_nodes"] = guidance_node_cases()
     torch.save(found, out_file)
 
 
@@ -497,6 +500,14 @@ def test_raising_in_the_step_callback_cancels_and_the_next_run_is_unchanged(comf
 def test_a_sampler_that_is_not_a_ksampler_is_refused_naming_its_fix(comfy_run):
     message = comfy_run["core"]["not_ksampler"]
     assert "Sampler" in message and "KSamplerSelect" in message
+
+
+@pytest.mark.every_variant
+@pytest.mark.parametrize("rule", ["apg", "tcfg"])
+def test_our_guidance_rule_equals_comfyuis_node_on_the_denoised_estimates(rule, comfy_run):
+    from tests.comfy_guidance_nodes import check_rule
+
+    check_rule(rule, comfy_run["guidance_nodes"])
 
 
 if __name__ == "__main__":

@@ -219,6 +219,7 @@ LIGHTNING_NAG = {
     "slg_blocks": "",
     "slg_start_percent": 0.1,
     "slg_end_percent": 1.0,
+    "slg_scale": 0.0,
     "riflex_index": 0,
 }
 # ComfyUI's own sampler and schedule: what a native Wan2.2 graph runs (euler, simple, ModelSamplingSD3 shift 8).

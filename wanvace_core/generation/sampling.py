@@ -18,7 +18,7 @@ import torch
 from diffusers.utils.torch_utils import randn_tensor
 
 from ..errors import WanVACEInputError
-from ..runtime.attention_guidance import ExpertHooks, attention_guidance
+from ..runtime.attention_guidance import ExpertHooks, SkipLayerPass, attention_guidance
 from ..runtime.caching import CachedExperts, CacheOptions, CacheReport, ExpertRun
 from ..runtime.model import WanVACEModel
 from ..runtime.plan import planned_run
@@ -223,6 +223,8 @@ class _Predictor:
     cached: CachedExperts | None
     between_windows: Callable[[], None] | None
     rules: GuidanceOptions
+    slg_pass: SkipLayerPass
+    slg_steps: frozenset[int] = frozenset()
     running: dict = dataclasses.field(default_factory=dict)
 
     def __call__(self, index: int, t: torch.Tensor, latents: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
@@ -243,27 +245,35 @@ class _Predictor:
             "control_hidden_states_scale": scale_of_hints,
             "return_dict": False,
         }
-        if self.windows is None:
-            predictions = self.guidance.branches(expert, scale, cond, common)
-        else:
-            # Each branch is fused over the windows first, then combined once on the whole video (as ComfyUI does):
-            # the rules other than plain CFG do not commute with the fusion.
-            references = cond.num_reference_images
-            predictions = windowed_prediction(
-                lambda inputs: self.guidance.branches(expert, scale, cond, inputs),
-                common,
-                plan_windows(self.windows, latents.shape[2] - references, index),
-                references,
-                lambda position: _before_window(position, self.between_windows, cached),
-            )
+        predictions = self._branches(expert, scale, common, index, latents)
         if scale <= 1.0:
-            return predictions, predictions, None, scale
-        high_noise = expert is self.model.transformer or self.model.transformer is None
-        rule = self.rules.high_noise if high_noise else self.rules.low_noise
-        noise_pred, noise_uncond = predictions.chunk(2)
-        name = "transformer" if high_noise else "transformer_2"
-        guided = combine(rule, self.running, name, noise_pred, noise_uncond, scale, index, latents, sigma)
+            guided, noise_pred, noise_uncond = predictions, predictions, None
+        else:
+            high_noise = expert is self.model.transformer or self.model.transformer is None
+            rule = self.rules.high_noise if high_noise else self.rules.low_noise
+            noise_pred, noise_uncond = predictions.chunk(2)
+            name = "transformer" if high_noise else "transformer_2"
+            guided = combine(rule, self.running, name, noise_pred, noise_uncond, scale, index, latents, sigma)
+        slg = self.rules.slg
+        if slg is not None and slg.extra_pass and index in self.slg_steps:
+            with self.slg_pass.running():
+                skipped = self._branches(expert, 1.0, common, index, latents)
+            guided = guided + slg.scale * (noise_pred - skipped)
         return guided, noise_pred, noise_uncond, scale
+
+    def _branches(self, expert, scale: float, common: dict, index: int, latents: torch.Tensor) -> torch.Tensor:
+        if self.windows is None:
+            return self.guidance.branches(expert, scale, self.cond, common)
+        # Each branch is fused over the windows first, then combined once on the whole video (as ComfyUI does): the
+        # rules other than plain CFG do not commute with the fusion.
+        references = self.cond.num_reference_images
+        return windowed_prediction(
+            lambda inputs: self.guidance.branches(expert, scale, self.cond, inputs),
+            common,
+            plan_windows(self.windows, latents.shape[2] - references, index),
+            references,
+            lambda position: _before_window(position, self.between_windows, self.cached),
+        )
 
     def negative_pass_at(self, timesteps) -> bool:
         """Whether every step at these timesteps runs a negative pass (cfg above 1 on its expert)."""
@@ -302,6 +312,11 @@ def sample(
     """
     if windows is not None and cache is not None:
         check_schedule_with_cache(windows.schedule)
+    if cache is not None and rules is not None and rules.slg is not None and rules.slg.extra_pass:
+        raise WanVACEInputError(
+            "SLG with slg_scale above 0 adds an expert call to its steps, which step caching cannot count as one "
+            "cached unit; set slg_scale to 0 (its one-pass form, which caches), or disconnect the cache input."
+        )
     # Before the first step: a size the model's RoPE table cannot hold fails deep inside it.
     check_frames(size_limits_of(model), cond.length, cond.num_reference_images, windows)
     if model.remote is not None:
@@ -355,8 +370,23 @@ def sample(
         if windows.freenoise:
             freenoise(noise[:, :, references:], windows, settings.seed)
     rules = rules or GuidanceOptions()
-    predict = _Predictor(model, cond, settings, plan, guidance, len(timesteps), windows, cached, between_windows, rules)
-    with planned_run(model, cached, _inside_experts(model, cond, settings, rules, timesteps)):
+    slg_pass = SkipLayerPass()
+    slg_steps = frozenset(rules.slg.active_steps(len(timesteps))) if rules.slg is not None else frozenset()
+    predict = _Predictor(
+        model,
+        cond,
+        settings,
+        plan,
+        guidance,
+        len(timesteps),
+        windows,
+        cached,
+        between_windows,
+        rules,
+        slg_pass,
+        slg_steps,
+    )
+    with planned_run(model, cached, _inside_experts(model, cond, settings, rules, timesteps, slg_pass)):
         if stepper is None:
             latents = _built_in_steps(predict, scheduler, timesteps, sigmas, noise, settings, callback)
         else:
@@ -368,7 +398,12 @@ def sample(
 
 
 def _inside_experts(
-    model: WanVACEModel, cond: VACEConditioning, settings: SamplerSettings, rules: GuidanceOptions, timesteps
+    model: WanVACEModel,
+    cond: VACEConditioning,
+    settings: SamplerSettings,
+    rules: GuidanceOptions,
+    timesteps,
+    slg_pass: SkipLayerPass,
 ):
     """The run's guidance inside the experts (NAG on those at cfg 1, SLG on those with a negative pass, RIFLEx), or
     None."""
@@ -382,10 +417,11 @@ def _inside_experts(
             "NAG is on but both experts run a negative pass (cfg and cfg_low_noise above 1), where NAG does nothing; "
             "set cfg or cfg_low_noise to 1 (the distilled 4-step LoRAs run at 1), or turn NAG off."
         )
-    if rules.slg is not None and not guided:
+    if rules.slg is not None and not rules.slg.extra_pass and not guided:
         raise WanVACEInputError(
             "SLG is on but no expert runs a negative pass (cfg and cfg_low_noise are 1), which is where SLG skips "
-            "its blocks; raise cfg or cfg_low_noise above 1, or turn SLG off."
+            "its blocks at slg_scale 0; raise cfg or cfg_low_noise above 1, set slg_scale above 0 (an extra pass), or "
+            "turn SLG off."
         )
     active = () if rules.slg is None else rules.slg.active_steps(len(timesteps))
     return attention_guidance(
@@ -395,8 +431,9 @@ def _inside_experts(
             nag=rules.nag,
             nag_experts=unguided,
             slg=rules.slg,
-            slg_experts=guided,
+            slg_experts=tuple(model.experts) if rules.slg is not None and rules.slg.extra_pass else guided,
             slg_timesteps=tuple(float(timesteps[index]) for index in active),
+            slg_pass=slg_pass,
             riflex_index=rules.riflex_index,
             riflex_experts=tuple(model.experts),
         )

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -81,12 +81,16 @@ def intrinsic_component(rope, frames: int) -> int:
 
 @dataclass(frozen=True)
 class SkipLayerOptions:
-    """SLG in its one-pass form (WanVideoWrapper's, ComfyUI's SkipLayerGuidanceDiTSimple): the negative pass runs
-    without `blocks` on the steps from `start_percent` to `end_percent` of the run."""
+    """SLG on the steps from `start_percent` to `end_percent` of the run (fractions of its steps). With `scale` 0, its
+    one-pass form (WanVideoWrapper's, ComfyUI's SkipLayerGuidanceDiTSimple): the negative pass runs without `blocks`.
+    With `scale` above 0, its extra-pass form (ComfyUI's SkipLayerGuidanceDiT, diffusers' SkipLayerGuidance): one
+    more conditional pass runs without `blocks`, and `scale` times its difference to the conditional prediction is
+    added to the guided one."""
 
     blocks: tuple[int, ...] = (9,)
     start_percent: float = 0.1
     end_percent: float = 1.0
+    scale: float = 0.0
 
     def __post_init__(self) -> None:
         blocks = tuple(
@@ -102,9 +106,30 @@ class SkipLayerOptions:
             raise WanVACEInputError(
                 f"slg_start_percent={self.start_percent} is after slg_end_percent={self.end_percent}; swap them."
             )
+        if validate_finite("slg_scale", self.scale, "use 0 (skip in the negative pass) or a value like 3") < 0:
+            raise WanVACEInputError(f"slg_scale={self.scale} must be 0 (the one-pass form) or positive, like 3.")
+
+    @property
+    def extra_pass(self) -> bool:
+        return self.scale > 0.0
 
     def active_steps(self, steps: int) -> list[int]:
         return [index for index in range(steps) if self.start_percent <= index / steps <= self.end_percent]
+
+
+class SkipLayerPass:
+    """Set by the sampler around SLG's extra pass (its form with a scale), whose every row skips the blocks."""
+
+    def __init__(self) -> None:
+        self.on = False
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        self.on = True
+        try:
+            yield
+        finally:
+            self.on = False
 
 
 @dataclass(frozen=True)
@@ -119,6 +144,7 @@ class ExpertHooks:
     slg: SkipLayerOptions | None = None
     slg_experts: tuple = ()
     slg_timesteps: tuple[float, ...] = ()
+    slg_pass: SkipLayerPass = field(default_factory=lambda: SkipLayerPass())
     riflex_index: int = 0
     riflex_experts: tuple = ()
 
@@ -155,8 +181,13 @@ def _apply_skip_layers(expert, plan: ExpertHooks, hooks: ModuleHooks) -> None:
     active = torch.tensor(plan.slg_timesteps, dtype=torch.float64)
 
     def find_negative_rows(_module, args, kwargs):
-        # The negative pass is the call (or, batched, the rows) whose text is the negative prompt's.
+        # The negative pass is the call (or, batched, the rows) whose text is the negative prompt's; in the extra-pass
+        # form, the sampler's extra call is.
         state["rows"] = None
+        if plan.slg.extra_pass:
+            if plan.slg_pass.on:
+                state["rows"] = torch.ones(kwargs["hidden_states"].shape[0], 1, 1, dtype=torch.bool)
+            return None
         timestep = float(kwargs["timestep"].reshape(-1)[0])
         if not len(active) or not torch.isclose(active, torch.tensor(timestep, dtype=torch.float64)).any():
             return None
@@ -169,7 +200,7 @@ def _apply_skip_layers(expert, plan: ExpertHooks, hooks: ModuleHooks) -> None:
 
     def skipped_on_negative_rows(_module, args, output):
         rows = state["rows"]
-        return output if rows is None else torch.where(rows, args[0], output)
+        return output if rows is None else torch.where(rows.to(output.device), args[0], output)
 
     hooks.pre(expert, find_negative_rows, with_kwargs=True)
     for index in plan.slg.blocks:

@@ -3,17 +3,15 @@
 ComfyUI's nodes patch a model with a pre-CFG function that rewrites the denoised estimates before its
 `uncond + cfg * (cond - uncond)`; the test takes that function from the node (a model patcher that only records it),
 feeds it the estimates `x - sigma * v` of random velocities over three falling sigmas, and compares its result with
-`x - sigma * v_guided` from our `combine`. Run in a subprocess inside the ComfyUI tree (tests/in_comfyui.py).
+`x - sigma * v_guided` from our `combine`. `guidance_node_cases` runs in test_comfy_sampling.py's subprocess inside
+the ComfyUI tree; `check_rule` is that module's test.
 """
 
 from __future__ import annotations
 
-import sys
-
-import pytest
 import torch
 
-from tests.in_comfyui import enter_comfyui, relative, run_in_comfyui
+from tests.in_comfyui import relative
 
 SHAPE = (1, 16, 3, 6, 8)
 SIGMAS = (0.95, 0.8, 0.6)
@@ -48,8 +46,8 @@ def _comfy_combined(pre_cfg, cond_x0, uncond_x0, x, sigma):
     return uncond_x0 + SCALE * (cond_x0 - uncond_x0)  # ComfyUI's cfg_function without a sampler_cfg_function
 
 
-def _in_comfyui(_folder: str, out_file: str) -> None:
-    enter_comfyui()
+def guidance_node_cases() -> dict:
+    """Ours against ComfyUI's node for each case: {(rule, case, step): (ours, ComfyUI's, plain CFG)}."""
     from comfy_extras.nodes_apg import APG
     from comfy_extras.nodes_tcfg import TCFG
     from wanvace_pack.wanvace_core.generation.guidance import APGOptions, ExpertGuidance, combine
@@ -72,18 +70,11 @@ def _in_comfyui(_folder: str, out_file: str) -> None:
         theirs = _comfy_combined(patcher.pre_cfg, x - sigma * cond, x - sigma * uncond, x, sigma)
         ours = combine(ExpertGuidance(tcfg=True), {}, "transformer", cond, uncond, SCALE, step, x, torch.tensor(sigma))
         found[("tcfg", None, step)] = (x - sigma * ours, theirs, x - sigma * (uncond + SCALE * (cond - uncond)))
-    torch.save(found, out_file)
+    return found
 
 
-@pytest.fixture(scope="module")
-def comfy_guidance(tmp_path_factory, tiny_folder):
-    return run_in_comfyui(__file__, tiny_folder, tmp_path_factory.mktemp("comfy_guidance"))
-
-
-@pytest.mark.every_variant
-@pytest.mark.parametrize("rule", ["apg", "tcfg"])
-def test_our_rule_equals_comfyuis_node_on_the_denoised_estimates(rule, comfy_guidance):
-    cases = {key: value for key, value in comfy_guidance.items() if key[0] == rule}
+def check_rule(rule: str, found: dict) -> None:
+    cases = {key: value for key, value in found.items() if key[0] == rule}
     assert len(cases) == (len(APG_CASES) if rule == "apg" else 1) * len(SIGMAS)
     errors = {key: relative(ours, theirs) for key, (ours, theirs, _) in cases.items()}
     assert max(errors.values()) < RTOL[rule], errors
@@ -91,7 +82,3 @@ def test_our_rule_equals_comfyuis_node_on_the_denoised_estimates(rule, comfy_gui
         assert relative(plain, theirs) > 100 * RTOL[rule], (
             key
         )  # the rule changed the result: the comparison means something
-
-
-if __name__ == "__main__":
-    _in_comfyui(sys.argv[1], sys.argv[2])

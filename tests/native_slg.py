@@ -1,4 +1,4 @@
-"""Our SLG (skip-layer guidance, one-pass form) against ComfyUI's own SkipLayerGuidanceDiTSimple node on the same
+"""Our SLG (skip-layer guidance, both forms) against ComfyUI's own SkipLayerGuidanceDiTSimple node on the same
 weights: the node applied to ComfyUI's VaceWanModel (holding our two experts' weights) on both experts'
 KSamplerAdvanced, against our sampler stepped by ComfyUI's euler with `GuidanceOptions(slg=...)`, from the same seed
 and inputs as tests/test_native_sampling.py (whose helpers build both sides).
@@ -8,18 +8,17 @@ on the steps whose sigma lies in [sigma(end), sigma(start)]; ours skips on step 
 Each case's percents select the same steps on both sides with a margin (the 4 steps' sigmas at shift 8 are 1, 0.96,
 0.889, 0.727), and each side's skipped steps are observed in its model, not read from its settings.
 
-Runs in a subprocess inside the ComfyUI tree of the set (this module is its script), as test_native_sampling.py.
+`slg_runs` runs in test_native_sampling.py's subprocess inside the ComfyUI tree of the set (one subprocess, one
+model build for both); the `check_*` functions are that module's tests.
 """
 
 from __future__ import annotations
 
-import sys
 import time
 
-import pytest
 import torch
 
-from tests.in_comfyui import enter_comfyui, relative, run_in_comfyui
+from tests.in_comfyui import relative
 from tests.test_native_sampling import (
     CFG,
     CFG_LOW,
@@ -48,6 +47,10 @@ CASES = {
     "block1_steps_2_3": (1, 0.4, 1.0, [2, 3]),  # across the expert switch (after step 2)
     "block2_all_steps": (2, 0.0, 1.0, [0, 1, 2, 3]),  # the block before a VACE hint
 }
+
+# The extra-pass form (slg_scale > 0; ComfyUI's SkipLayerGuidanceDiT): block 1 on every step.
+EXTRA_PASS_CASE = (1, 0.0, 1.0)
+EXTRA_PASS_SCALE = 3.0
 
 
 # --- the ComfyUI side (runs in the subprocess) -------------------------------------------------------------
@@ -140,9 +143,9 @@ class _OurSkips:
             handle.remove()
 
 
-def _slg_runs(folder: str) -> dict:
+def slg_runs(folder: str) -> dict:
     import comfy.samplers
-    from comfy_extras.nodes_slg import SkipLayerGuidanceDiTSimple
+    from comfy_extras.nodes_slg import SkipLayerGuidanceDiT, SkipLayerGuidanceDiTSimple
     from wanvace_pack.nodes.comfy_sampling import stepper_for
     from wanvace_pack.wanvace_core import SamplerSettings, sample
     from wanvace_pack.wanvace_core.generation.guidance import GuidanceOptions
@@ -184,27 +187,27 @@ def _slg_runs(folder: str) -> dict:
         case["our_calls"] = our_calls.calls
         found["cases"][name] = case
         found["timings"][f"{name}_ours"] = time.perf_counter() - started
+
+    # The extra-pass form: ComfyUI's SkipLayerGuidanceDiT (an extra cond pass without the block, scale times its
+    # difference added after CFG) against ours with slg_scale.
+    started = time.perf_counter()
+    block, start, end = EXTRA_PASS_CASE
+    patched = [
+        SkipLayerGuidanceDiT.execute(m, EXTRA_PASS_SCALE, start, end, str(block), "", 0).result[0] for m in (high, low)
+    ]
+    found["extra_pass_native"] = _native_pair(*patched, positive, negative, split)
+    options = SkipLayerOptions(blocks=(block,), start_percent=start, end_percent=end, scale=EXTRA_PASS_SCALE)
+    rules = GuidanceOptions(slg=options)
+    found["extra_pass_ours"] = sample(model, cond, settings, stepper=stepper, rules=rules).latents
+    found["timings"]["extra_pass"] = time.perf_counter() - started
     return found
-
-
-def _in_comfyui(folder: str, out_file: str) -> None:
-    enter_comfyui()
-    torch.save(_slg_runs(folder), out_file)
-
-
-# --- the pytest side -------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def slg_run(tmp_path_factory, tiny_folder):
-    return run_in_comfyui(__file__, tiny_folder, tmp_path_factory.mktemp("native_slg"))
 
 
 def _step_of(sigmas: torch.Tensor, sigma: float) -> int:
     return int((sigmas[:-1] - sigma).abs().argmin())
 
 
-def test_comfyui_and_our_slg_skip_the_block_on_the_same_steps(slg_run):
+def check_the_same_steps_are_skipped(slg_run: dict) -> None:
     sigmas = slg_run["sigmas"]
     assert slg_run["split"] == 3  # steps 0-2 on the high-noise expert, step 3 on the low-noise one
     # Without the node ComfyUI runs cond and uncond as one call of batch 2 per step, block 1 always running.
@@ -234,7 +237,7 @@ def test_comfyui_and_our_slg_skip_the_block_on_the_same_steps(slg_run):
             assert not any(call["skipped"] for call in ours if not call["negative"]), name
 
 
-def test_our_slg_equals_comfyuis_skip_layer_guidance_node(slg_run):
+def check_equal_to_the_one_pass_node(slg_run: dict) -> None:
     plain = slg_run["native_plain"]
     print(f"timings {slg_run['timings']}")
     for name, case in slg_run["cases"].items():
@@ -258,5 +261,9 @@ def test_our_slg_equals_comfyuis_skip_layer_guidance_node(slg_run):
     assert min(apart.values()) > 100 * SLG_RTOL, apart
 
 
-if __name__ == "__main__":
-    _in_comfyui(sys.argv[1], sys.argv[2])
+def check_equal_to_the_extra_pass_node(slg_run: dict) -> None:
+    native, ours, plain = slg_run["extra_pass_native"], slg_run["extra_pass_ours"], slg_run["native_plain"]
+    assert native.shape == ours.shape and torch.isfinite(native).all()
+    assert relative(ours, native) < SLG_RTOL, relative(ours, native)
+    assert relative(native, plain) > 100 * SLG_RTOL
+    assert relative(native, slg_run["cases"]["block1_all_steps"]["native"]) > 100 * SLG_RTOL  # not the one-pass form
