@@ -237,6 +237,7 @@ def test_a_schedule_starting_below_the_expert_switch_is_refused_unless_asked_for
     ("sigmas", "message"),
     [
         ((1.0,), "at least 2"),
+        ((), "denoise 0 gives an empty schedule"),
         ((1.0, 0.5, 0.6, 0.0), "must fall strictly"),
         ((1.0, 0.5), "not 0"),
         ((1.5, 0.5, 0.0), "above 1.0"),
@@ -245,4 +246,4 @@ def test_a_schedule_starting_below_the_expert_switch_is_refused_unless_asked_for
 )
 def test_impossible_sigmas_are_refused_naming_the_fix(sigmas, message):
     with pytest.raises(WanVACEInputError, match=message):
-        SamplerSettings(seed=1, steps=max(1, len(sigmas) - 1), cfg=4.0, cfg_low_noise=3.0, sigmas=sigmas)
+        SamplerSettings(seed=1, steps=len(sigmas) - 1, cfg=4.0, cfg_low_noise=3.0, sigmas=sigmas)

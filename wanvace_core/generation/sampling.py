@@ -64,6 +64,8 @@ class SamplerSettings:
     sigmas: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.sigmas is not None:  # first: an empty schedule (denoise 0) has no steps to speak of
+            object.__setattr__(self, "sigmas", validate_sigmas(self.sigmas))
         steps = validate_integer("steps", self.steps, "use a whole number of steps; 20-40 is typical")
         if steps < 1:
             raise WanVACEInputError(f"steps={self.steps} must be at least 1; 20-40 is typical.")
@@ -87,10 +89,7 @@ class SamplerSettings:
         if self.shift is not None and validate_finite("shift", self.shift, shift_fix) <= 0:
             raise WanVACEInputError(f"shift={self.shift} must be positive (3.0 for 480p, 5.0 for 720p).")
         validate_scheduler(self.scheduler)
-        if self.sigmas is None:
-            return
-        object.__setattr__(self, "sigmas", validate_sigmas(self.sigmas))
-        if steps != len(self.sigmas) - 1:
+        if self.sigmas is not None and steps != len(self.sigmas) - 1:
             raise WanVACEInputError(
                 f"steps={self.steps} disagrees with the {len(self.sigmas)} sigmas ({len(self.sigmas) - 1} steps); "
                 "with sigmas, steps is their count less one."
