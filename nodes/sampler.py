@@ -193,8 +193,8 @@ class WanVACESampler(io.ComfyNode):
         stepper = None if sampler is None else stepper_for(sampler, shift)
         preview_step = step_previewer(model, conditioning, steps)
 
-        def on_step(index: int, total: int, latents) -> None:
-            preview_step(index, total, latents)
+        def on_step(index: int, total: int, denoised) -> None:
+            preview_step(index, total, denoised)
             comfy.model_management.throw_exception_if_processing_interrupted()
 
         comfy.model_management.throw_exception_if_processing_interrupted()
