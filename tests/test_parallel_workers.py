@@ -111,17 +111,81 @@ def test_guidance_rules_and_hooks_run_in_the_workers_and_equal_one_process_bitwi
     assert torch.equal(sample(cfg_parallel_model, cond, nag_settings, rules=nag).latents, expected)
 
 
-def test_an_outside_solver_with_workers_is_refused_naming_the_inputs(reference, cfg_parallel_model):
-    _, cond = reference
+class _Heun:
+    """Heun's method over the sigmas (k-diffusion's `sample_heun`: two denoiser calls per step, one on the last step),
+    the first call of each step asking for the parts, which it records: an outside solver as `stepping.Stepper`."""
 
-    class NeverCalled:
-        def call_sigmas(self, sigmas):
-            raise AssertionError("the refusal comes first")
+    def __init__(self) -> None:
+        self.parts = []
 
-        run = call_sigmas
+    def call_sigmas(self, sigmas):
+        return tuple(float(s) for i in range(len(sigmas) - 1) for s in sigmas[i : i + 2] if s > 0)
 
-    with pytest.raises(WanVACEInputError, match="disconnect the sampler input"):
-        sample(cfg_parallel_model, cond, SETTINGS, stepper=NeverCalled())
+    def run(self, denoiser, noise, sigmas, seed, on_step):
+        x = noise * sigmas[0]
+        for index in range(len(sigmas) - 1):
+            sigma, after = sigmas[index], sigmas[index + 1]
+            parts = denoiser(x, sigma, parts=True)
+            self.parts.append(parts)
+            slope = (x - parts.denoised) / sigma
+            ahead = x + (after - sigma) * slope
+            if after > 0:
+                ahead = x + (after - sigma) * (slope + (ahead - denoiser(ahead, after)) / after) / 2
+            on_step(index, len(sigmas) - 1, parts.denoised)
+            x = ahead
+        return x
+
+
+def test_an_outside_solver_steps_the_workers_and_equals_one_process_bitwise(reference, cfg_parallel_model):
+    """ComfyUI's SAMPLER runs in ComfyUI's process and each of its denoiser calls is a round trip to the workers: the
+    result, each call's parts (what CFG++ samplers read), the progress and the cache report equal one process."""
+    model, cond = reference
+    expected_solver, got_solver = _Heun(), _Heun()
+    expected = sample(model, cond, SETTINGS, stepper=expected_solver)
+    progress = []
+    got = sample(
+        cfg_parallel_model, cond, SETTINGS, stepper=got_solver, callback=lambda i, n, x0: progress.append((i, n, x0))
+    )
+    assert torch.equal(got.latents, expected.latents)
+    assert not torch.equal(expected.latents, sample(model, cond, SETTINGS).latents)  # not the built-in scheduler
+    for mine, theirs in zip(got_solver.parts, expected_solver.parts, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(mine[:3], theirs[:3], strict=True)) and mine[3] == theirs[3]
+    assert [(i, n) for i, n, _ in progress] == [(i, SETTINGS.steps) for i in range(SETTINGS.steps)]
+    assert torch.equal(progress[-1][2], expected_solver.parts[-1].denoised)
+    # With step caching the workers count the solver's calls per expert, as one process does.
+    expected = sample(model, cond, SETTINGS, stepper=_Heun(), cache=CACHE)
+    got = sample(cfg_parallel_model, cond, SETTINGS, stepper=_Heun(), cache=CACHE)
+    assert torch.equal(got.latents, expected.latents)
+    assert got.cache_report == expected.cache_report
+    assert any(expert.cached_steps for expert in got.cache_report.experts), got.cache_report
+
+
+def test_a_cancelled_outside_solver_stops_the_workers_and_the_next_run_is_unchanged(reference, cfg_parallel_model):
+    model, cond = reference
+    pids = cfg_parallel_model.remote.workers.pids
+    expected = sample(model, cond, SETTINGS, stepper=_Heun()).latents
+
+    class Cancel(Exception):
+        pass
+
+    def cancel_at_two(index, _total, _x0):
+        if index == 1:
+            raise Cancel
+
+    with pytest.raises(Cancel):
+        sample(cfg_parallel_model, cond, SETTINGS, stepper=_Heun(), callback=cancel_at_two)
+
+    class Failing(_Heun):
+        def run(self, denoiser, noise, sigmas, seed, on_step):
+            denoiser(noise * sigmas[0], sigmas[0])
+            raise ValueError("the solver failed")
+
+    with pytest.raises(ValueError, match="the solver failed"):
+        sample(cfg_parallel_model, cond, SETTINGS, stepper=Failing())
+    for _ in range(2):
+        assert torch.equal(sample(cfg_parallel_model, cond, SETTINGS, stepper=_Heun()).latents, expected)
+    assert torch.equal(sample(cfg_parallel_model, cond, SETTINGS).latents, sample(model, cond, SETTINGS).latents)
+    assert cfg_parallel_model.remote.workers.pids == pids
 
 
 def test_context_windows_run_in_the_workers_and_equal_one_process_bitwise(reference, cfg_parallel_model):

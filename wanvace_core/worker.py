@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import logging
 import os
 import sys
@@ -217,6 +218,10 @@ class Rank:
             if stop:
                 raise Cancelled(f"cancelled after step {index + 1} of {total}")
 
+        stepped = request.get("stepped")
+        stepper = None
+        if stepped is not None:
+            stepper = _RelayedCalls(self, request_id, conn, loaded.options.timeout_s, stepped["call_sigmas"])
         try:
             # CFG parallel already gives each pass its own devices; batching applies where it does not.
             guidance = loaded.guidance or (BatchedGuidance() if request["batched_cfg"] else None)
@@ -229,6 +234,7 @@ class Rank:
                 guidance=guidance,
                 windows=windows,
                 rules=rules,
+                stepper=stepper,
             )
         finally:
             self.decided_steps = steps[0]  # rank 0 deletes the decisions once every rank has answered
@@ -325,8 +331,79 @@ class Rank:
         self.relay.answer(request_id, mine)
         answers = self.relay.answers(request_id, timedelta(seconds=_answer_timeout(self.loaded)))
         self.relay.forget_steps(request_id, self.decided_steps)
+        self.relay.forget_calls()
         self.decided_steps = 0
         return _merge(answers)
+
+
+class _RelayedCalls:
+    """The solver of a run stepped in the ComfyUI process, as this rank's `stepping.Stepper`: each denoiser call it
+    makes there reaches rank 0 as a "call" message (the latents, sigma, whether the parts are wanted), which rank 0
+    relays to every rank; every rank runs the call on the run's denoiser and rank 0 sends the estimate back. "end"
+    ends the run, as cancelled when it says stop."""
+
+    def __init__(self, rank: Rank, request_id: int, conn: Connection | None, timeout_s: float, call_sigmas) -> None:
+        self.rank = rank
+        self.request_id = request_id
+        self.conn = conn
+        self.timeout_s = timeout_s
+        self._call_sigmas = None if call_sigmas is None else tuple(call_sigmas)
+
+    def call_sigmas(self, sigmas: torch.Tensor) -> tuple[float, ...] | None:
+        return self._call_sigmas
+
+    def run(self, denoiser, noise: torch.Tensor, sigmas: torch.Tensor, seed: int, on_step) -> torch.Tensor:
+        latents, relay = noise, self.rank.relay
+        for call in itertools.count():
+            if self.rank.rank == 0:
+                message = self._next_from_comfyui()
+                relay.publish_call(self.request_id, call, messages.encode(message["kind"], **_fields(message)))
+            else:
+                message = messages.decode(relay.call(self.request_id, call))
+            if message["kind"] == "end":
+                if message["stop"]:
+                    raise Cancelled(message.get("why", f"cancelled after {call} denoiser calls"))
+                return latents
+            latents = message["x"].to(self.rank.device)
+            try:
+                answer = denoiser(latents, message["sigma"], parts=message["parts"])
+            except BaseException:
+                if self.rank.rank == 0:  # the other ranks wait for a next call: there is none
+                    relay.publish_call(self.request_id, call + 1, messages.encode("end", stop=True, why="failed"))
+                raise
+            if self.rank.rank == 0:
+                self._answer(answer, message["parts"])
+
+    def _next_from_comfyui(self) -> dict:
+        """The next "call" or "end" from ComfyUI; an "end" with stop when it went away or sent nothing in time."""
+        try:
+            while self.conn.poll(self.timeout_s):
+                message = messages.decode(self.conn.recv_bytes())
+                if message["kind"] in ("call", "end"):
+                    return message
+                # A "cancel" can only be late: this run is stepped by "call" and ended by "end".
+        except (EOFError, OSError):
+            return {"kind": "end", "stop": True, "why": "ComfyUI closed the connection during a stepped run"}
+        return {
+            "kind": "end",
+            "stop": True,
+            "why": f"ComfyUI sent no denoiser call for timeout_s={self.timeout_s:g} s during a stepped run",
+        }
+
+    def _answer(self, answer, parts: bool) -> None:
+        if parts:
+            fields = {
+                "denoised": answer.denoised.cpu(),
+                "cond_denoised": answer.cond_denoised.cpu(),
+                "uncond_denoised": None if answer.uncond_denoised is None else answer.uncond_denoised.cpu(),
+                "scale": answer.scale,
+            }
+        else:
+            fields = {"denoised": answer.cpu()}
+        try:
+            self.conn.send_bytes(messages.encode("denoised", **fields))
+        except (EOFError, OSError):
+            pass  # ComfyUI went away: the next call it reads is an "end" with stop
 
 
 def _fields(request: dict) -> dict:

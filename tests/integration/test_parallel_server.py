@@ -251,6 +251,33 @@ def test_unload_stops_the_workers_and_the_next_prompt_starts_fresh_ones(server, 
     assert _same(after, references[seed], exact)
 
 
+def _comfy_sampler_workflow(seed: int, prefix: str, parallel: dict | None, sampler_name: str) -> dict:
+    """The shipped KSamplerSelect + WanVACE Scheduler graph at 4 steps with `sampler_name`, in fp32, its latents
+    saved."""
+    workflow = _workflow(seed, prefix, parallel)
+    shipped = json.loads((API_DIR / "wanvace_t2v_comfy_sampler.json").read_text())
+    ids = {node["class_type"]: key for key, node in workflow.items()}
+    model, sampler = [ids["WanVACEModelLoader"], 0], ids["WanVACESampler"]
+    (select,) = [node for node in shipped.values() if node["class_type"] == "KSamplerSelect"]
+    (scheduler,) = [node for node in shipped.values() if node["class_type"] == "WanVACEScheduler"]
+    workflow["810"] = {"class_type": "KSamplerSelect", "inputs": {**select["inputs"], "sampler_name": sampler_name}}
+    workflow["811"] = {"class_type": "WanVACEScheduler", "inputs": {**scheduler["inputs"], "model": model, "steps": 4}}
+    workflow[sampler]["inputs"].update(steps=4, sampler=["810", 0], sigmas=["811", 0])
+    return workflow
+
+
+@pytest.mark.parametrize("mode", [MODES[0]], indirect=True)
+def test_comfyui_samplers_step_the_experts_in_the_workers_and_equal_them_without(server, mode):
+    """ComfyUI's SAMPLER runs in the server and sends each denoiser call to the workers: heun (two calls a step) and
+    dpmpp_2m_sde (its own seeded noise) equal the same graph without parallel options, bitwise."""
+    options, exact = mode
+    for name in ("heun", "dpmpp_2m_sde"):
+        plain = _latent(server, _comfy_sampler_workflow(SEEDS[0], f"comfy_sampler/{name}/plain", None, name))
+        parallel = _latent(server, _comfy_sampler_workflow(SEEDS[0], f"comfy_sampler/{name}/parallel", options, name))
+        assert len(_worker_pids(server.proc.pid)) == 2, server.log_tail()
+        assert _same(parallel, plain, exact), (name, (parallel - plain).abs().max())
+
+
 # --- whatever the mode -------------------------------------------------------------------------------------------
 
 

@@ -325,9 +325,8 @@ def sample(
                 "loader, or the WanVACE LoRA Loader."
             )
         if stepper is not None:
-            raise WanVACEInputError(
-                "a SAMPLER cannot step experts in parallel workers yet; disconnect the sampler input (a connected "
-                "SIGMAS still works there, stepped by the built-in scheduler) or the loader's parallel input."
+            return _outside_steps_in_workers(
+                model, cond, settings, callback, cache, stepper, batched_cfg, windows, rules
             )
         latents, report = model.remote.sample(
             cond,
@@ -342,23 +341,12 @@ def sample(
         return SampleResult(latents=latents, cache_report=None if report is None else CacheReport.from_plain(report))
     guidance = guidance or (BatchedGuidance() if batched_cfg else Guidance())
     _check_conditioning_matches(model, cond)
-    if stepper is not None and settings.sigmas is not None:
-        # The outside solver steps the given schedule itself: no built-in scheduler is set up for it.
-        scheduler, sigmas = None, torch.tensor(settings.sigmas, dtype=torch.float32)
-        timesteps = (sigmas[:-1] * model.num_train_timesteps).to(model.device)
-    else:
-        scheduler, timesteps = scheduled_timesteps(model, settings)
-        sigmas = step_sigmas(scheduler)
+    scheduler, timesteps, sigmas = _schedule(model, settings, stepper)
     plan = _plan(model, settings)
     _check_schedule_reaches_the_high_noise_expert(plan, settings, timesteps, model.num_train_timesteps)
     call_timesteps = timesteps
     if stepper is not None:
-        call_sigmas = stepper.call_sigmas(sigmas)
-        if call_sigmas is None and cache is not None:
-            raise WanVACEInputError(
-                "this SAMPLER decides its number of model calls as it runs (an adaptive solver), which step caching "
-                "needs to know before the run; disconnect the cache input, or choose a fixed-step sampler."
-            )
+        call_sigmas = _call_sigmas(stepper, sigmas, cache)
         call_timesteps = [sigma * model.num_train_timesteps for sigma in call_sigmas or ()]
     runs = _expert_runs(model, plan, call_timesteps, settings, guidance)
     cached = None if cache is None else CachedExperts(model, cache, runs)
@@ -394,6 +382,77 @@ def sample(
     if report is not None:
         logger.info("%s", report.text())
     return SampleResult(latents=latents[:, :, references:], cache_report=report)
+
+
+def _schedule(model: WanVACEModel, settings: SamplerSettings, stepper: stepping.Stepper | None):
+    """(the built-in scheduler or None, the step timesteps, the step sigmas ending at 0)."""
+    if stepper is not None and settings.sigmas is not None:
+        # The outside solver steps the given schedule itself: no built-in scheduler is set up for it.
+        sigmas = torch.tensor(settings.sigmas, dtype=torch.float32)
+        return None, (sigmas[:-1] * model.num_train_timesteps).to(model.device), sigmas
+    scheduler, timesteps = scheduled_timesteps(model, settings)
+    return scheduler, timesteps, step_sigmas(scheduler)
+
+
+def _call_sigmas(stepper: stepping.Stepper, sigmas: torch.Tensor, cache: CacheOptions | None):
+    call_sigmas = stepper.call_sigmas(sigmas)
+    if call_sigmas is None and cache is not None:
+        raise WanVACEInputError(
+            "this SAMPLER decides its number of model calls as it runs (an adaptive solver), which step caching "
+            "needs to know before the run; disconnect the cache input, or choose a fixed-step sampler."
+        )
+    return call_sigmas
+
+
+def _outside_steps_in_workers(
+    model: WanVACEModel,
+    cond: VACEConditioning,
+    settings: SamplerSettings,
+    callback: StepCallback | None,
+    cache: CacheOptions | None,
+    stepper: stepping.Stepper,
+    batched_cfg: bool,
+    windows: ContextWindowOptions | None,
+    rules: GuidanceOptions | None,
+) -> SampleResult:
+    """The outside solver runs here and the experts in the workers: each of its denoiser calls is one round trip
+    (`RemoteExperts.stepped`), where the workers' own `sample` answers it with the same predictor, so the run
+    equals the one-process run as the workers' built-in loop does."""
+    _, timesteps, sigmas = _schedule(model, settings, stepper)
+    plan = _plan(model, settings)
+    _check_schedule_reaches_the_high_noise_expert(plan, settings, timesteps, model.num_train_timesteps)
+    call_sigmas = _call_sigmas(stepper, sigmas, cache)
+    negative_pass_everywhere = all(plan.pick(model, t, settings)[1] > 1.0 for t in timesteps)
+    noise = initial_noise(model, cond, settings.seed)
+    with model.remote.stepped(
+        cond,
+        settings,
+        cache,
+        tokens=sequence_length(model, cond, windows),
+        call_sigmas=call_sigmas,
+        batched_cfg=batched_cfg,
+        windows=windows,
+        rules=rules,
+    ) as workers:
+        denoiser = _WorkersDenoiser(workers, negative_pass_everywhere)
+        latents = stepper.run(denoiser, noise, sigmas, settings.seed, callback or (lambda *_: None))
+    report = workers.report
+    return SampleResult(
+        latents=latents[:, :, cond.num_reference_images :],
+        cache_report=None if report is None else CacheReport.from_plain(report),
+    )
+
+
+class _WorkersDenoiser:
+    """`stepping.Denoiser` over the workers' round trip (`(x, sigma, parts) -> x0 or its parts as a tuple`)."""
+
+    def __init__(self, call, negative_pass_everywhere: bool) -> None:
+        self.call = call
+        self.negative_pass_everywhere = negative_pass_everywhere
+
+    def __call__(self, x: torch.Tensor, sigma: torch.Tensor, parts: bool = False):
+        answer = self.call(x, sigma, parts)
+        return stepping.DenoisedParts(*answer) if parts else answer
 
 
 def _inside_experts(

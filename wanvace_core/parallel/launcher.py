@@ -15,6 +15,7 @@ prompt with what its log says; local workers are then stopped, and the next prom
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -25,7 +26,7 @@ import sys
 import tempfile
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection
 from pathlib import Path
@@ -285,6 +286,20 @@ class RemoteExperts:
 
     # -- sampling --------------------------------------------------------------------------------
 
+    def _sample_fields(self, cond, settings, cache, tokens: int, batched_cfg: bool, windows, rules) -> dict:
+        self.options.check_guidance(settings.cfg, settings.cfg_low_noise)
+        self.options.check_tokens(tokens)
+        if not self.running:
+            self.start()  # the previous workers died or hung: fresh ones
+        return {
+            "cond": messages.tensor_fields(cond),
+            "settings": messages.plain(settings),
+            "cache": None if cache is None else messages.plain(cache),
+            "batched_cfg": batched_cfg,
+            "windows": None if windows is None else messages.plain(windows),
+            "rules": None if rules is None else messages.plain(rules),
+        }
+
     def sample(
         self,
         cond,
@@ -303,18 +318,7 @@ class RemoteExperts:
         them (cfg_parallel); `windows` (the sampler's context-window options, or None) run inside the workers, and so do
         `rules` (the guidance options, or None).
         """
-        self.options.check_guidance(settings.cfg, settings.cfg_low_noise)
-        self.options.check_tokens(tokens)
-        if not self.running:
-            self.start()  # the previous workers died or hung: fresh ones
-        fields = {
-            "cond": messages.tensor_fields(cond),
-            "settings": messages.plain(settings),
-            "cache": None if cache is None else messages.plain(cache),
-            "batched_cfg": batched_cfg,
-            "windows": None if windows is None else messages.plain(windows),
-            "rules": None if rules is None else messages.plain(rules),
-        }
+        fields = self._sample_fields(cond, settings, cache, tokens, batched_cfg, windows, rules)
         try:
             self.conn.send_bytes(messages.encode("sample", **fields))
             stopping: BaseException | None = None
@@ -339,6 +343,104 @@ class RemoteExperts:
             raise WanVACEWorkerError(f"the WanVACE workers stopped the run: {message['error']}")
         message = self._outcome(message, "to sample")
         return message["latents"], message["report"]
+
+    @contextlib.contextmanager
+    def stepped(
+        self,
+        cond,
+        settings,
+        cache,
+        tokens: int,
+        call_sigmas: tuple[float, ...] | None,
+        batched_cfg: bool = False,
+        windows=None,
+        rules=None,
+    ) -> Iterator[SteppedRun]:
+        """A run whose solver steps in this process (ComfyUI's SAMPLER): the workers enter `sample` as for
+        `sample` and answer each call of the `SteppedRun` this yields with the denoised estimate. `call_sigmas`: the
+        sigma of every call the solver will make (step caching counts them), or None for an adaptive solver. Leaving
+        the block ends the run; leaving it by an exception (ComfyUI's cancel) stops the workers within the call they
+        are in, and the exception goes on."""
+        fields = self._sample_fields(cond, settings, cache, tokens, batched_cfg, windows, rules)
+        fields["stepped"] = {"call_sigmas": call_sigmas}
+        run = SteppedRun(self)
+        run.send("sample", **fields)
+        try:
+            yield run
+        except BaseException:
+            run.end(stop=True)
+            raise
+        run.end(stop=False)
+
+
+class SteppedRun:
+    """The workers' side of one solver-stepped run, as a denoiser: `(x, sigma, parts) -> x0`, or with `parts` the
+    tuple (x0, conditional x0, unconditional x0 or None, the expert's cfg). `report` (the cache report's fields or
+    None) once the run has ended."""
+
+    def __init__(self, remote: RemoteExperts) -> None:
+        self.remote = remote
+        self.report: dict | None = None
+        self.ended = False
+
+    def __call__(self, x: torch.Tensor, sigma: torch.Tensor, parts: bool = False):
+        if self.ended:
+            raise WanVACEWorkerError("the WanVACE workers' run has ended; a solver called the denoiser after its end")
+        self.send("call", x=x.cpu(), sigma=sigma.cpu(), parts=parts)
+        message = self._receive("to run a denoiser call")
+        if message["kind"] != "denoised":  # the run failed (or stopped) in the workers: its outcome came instead
+            self.ended = True
+            if message["kind"] == "cancelled":
+                raise WanVACEWorkerError(f"the WanVACE workers stopped the run: {message['error']}")
+            self.remote._outcome(message, "to run a denoiser call")
+            raise WanVACEWorkerError(f"the WanVACE workers ended the run early, answering {message['kind']!r}")
+        if not parts:
+            return message["denoised"].to(x.device)
+        uncond = message["uncond_denoised"]
+        return (
+            message["denoised"].to(x.device),
+            message["cond_denoised"].to(x.device),
+            None if uncond is None else uncond.to(x.device),
+            message["scale"],
+        )
+
+    def end(self, stop: bool) -> None:
+        """Ends the workers' run (`stop`: as cancelled) and reads its outcome; a no-op once it has ended."""
+        if self.ended:
+            return
+        self.send("end", stop=stop)
+        message = self._receive("to end the run")
+        self.ended = True
+        if stop:
+            if message["kind"] == "error":
+                self.remote._outcome(message, "to stop")
+            return
+        message = self.remote._outcome(message, "to sample")
+        if message["kind"] == "cancelled":
+            raise WanVACEWorkerError(f"the WanVACE workers stopped the run: {message['error']}")
+        self.report = message["report"]
+
+    def send(self, kind: str, **fields) -> None:
+        try:
+            self.remote.conn.send_bytes(messages.encode(kind, **fields))
+        except (EOFError, OSError) as error:
+            self._lost(
+                WanVACEWorkerError(
+                    f"the WanVACE workers closed the connection ({error}); the next prompt starts fresh workers."
+                )
+            )
+
+    def _receive(self, doing: str) -> dict:
+        try:
+            return self.remote._receive(self.remote.options.timeout_s, doing)
+        except WanVACEWorkerError as error:
+            self._lost(error)
+
+    def _lost(self, error: WanVACEWorkerError):
+        """The workers died, hung or went away: stopped, and the next prompt starts fresh ones."""
+        self.ended = True
+        self.remote._abandon()
+        raise error
 
 
 def _close_quietly(conn: Connection | None, workers: LocalWorkers | None, launcher: str) -> None:

@@ -35,13 +35,15 @@ def authkey() -> bytes:
 
 
 class StoreRelay:
-    """Requests from rank 0 to every rank, per-step decisions and per-rank statuses, through the store."""
+    """Requests from rank 0 to every rank, per-step decisions, a stepped run's calls and per-rank statuses, through the
+    store."""
 
     def __init__(self, store: dist.Store, rank: int, world: int) -> None:
         self.store = dist.PrefixStore("wanvace/", store)
         self.rank = rank
         self.world = world
         self.sequence = 0
+        self._published_calls: list[str] = []
 
     def publish(self, data: bytes) -> int:
         if self.sequence:
@@ -98,6 +100,39 @@ class StoreRelay:
     def forget_steps(self, request: int, steps: int) -> None:
         for step in range(steps):
             self.store.delete_key(f"step{request}/{step}")
+
+    # A solver stepping in the ComfyUI process sends each denoiser call through rank 0 to every rank. A call's input
+    # (the whole latent) stays in the store until every other rank has read it, no longer: rank 0 frees the calls
+    # every rank has read each time it publishes one, and the rest at the end of the request.
+    def publish_call(self, request: int, call: int, data: bytes) -> None:
+        self._forget_calls(everything=False)
+        self._set(f"call{request}/{call}", data)
+        self._published_calls.append(f"call{request}/{call}")
+
+    def call(self, request: int, call: int) -> bytes:
+        key = f"call{request}/{call}"
+        while True:
+            try:
+                self.store.wait([key], _POLL)
+                break
+            except dist.DistStoreError:
+                continue
+        data = self._get(key)
+        self.store.add(f"{key}/read", 1)
+        return data
+
+    def forget_calls(self) -> None:
+        self._forget_calls(everything=True)
+
+    def _forget_calls(self, everything: bool) -> None:
+        kept = []
+        for key in self._published_calls:
+            if everything or self.store.add(f"{key}/read", 0) >= self.world - 1:
+                self._delete(key)
+                self.store.delete_key(f"{key}/read")
+            else:
+                kept.append(key)
+        self._published_calls = kept
 
 
 def publish_file(path: Path, text: str) -> None:
