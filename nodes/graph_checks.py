@@ -5,7 +5,7 @@ runs (its hidden PROMPT), before anything slow. Each raises `WanVACEInputError` 
   `model` input comes from; its length against the model of each sampler it feeds without context windows; a
   context window's length against the model of each sampler it feeds.
 - The sampler's cache needs `standard_static` windows.
-- LoRAs do not run yet on experts in parallel workers.
+- A merged LoRA needs whole weights: not on experts sharded across parallel workers.
 
 What is not known before the prompt runs (a value linked from a node other than ComfyUI's primitives, the number of
 reference images) is left to the checks that run with the real values.
@@ -113,11 +113,14 @@ def check_windows_in_graph(prompt: dict, node_id: str, options: ContextWindowOpt
             check_frames(limits, length, 0, options)
 
 
-def check_lora_in_graph(prompt: dict, node: dict, lora_name: str) -> None:
-    """A LoRA over experts that run in parallel workers is refused (they cannot apply it yet)."""
+def check_lora_in_graph(prompt: dict, node: dict, merge: bool) -> None:
+    """A merged LoRA over experts sharded across parallel workers is refused (a merge needs whole weights)."""
     loader = model_source(prompt, node)
-    if loader is not None and linked_node(prompt, loader[1], "parallel") is not None:
+    parallel = None if loader is None else linked_node(prompt, loader[1], "parallel")
+    shard = None if parallel is None else value_of(prompt, parallel[1], "shard")
+    if merge is True and shard not in (None, "none"):
         raise WanVACEInputError(
-            f"lora_name={lora_name!r}: LoRAs do not run yet on experts in parallel workers (the loader's parallel "
-            "input is connected); disconnect the loader's parallel input, or remove this WanVACE LoRA Loader."
+            f"merge=True: the loader's WanVACE Parallel Options shard the experts (shard={shard}), which keeps each "
+            "weight in shards across the workers, where a LoRA cannot be merged in; set merge off (the LoRA is then "
+            "applied on the fly, which works with sharding), or set shard to none."
         )

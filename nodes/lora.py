@@ -72,16 +72,16 @@ class WanVACELoraLoader(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, lora_name: str | None = None) -> bool | str:
+    def validate_inputs(cls, lora_name: str | None = None, merge: bool | None = None) -> bool | str:
         # Only a listed name: ComfyUI 0.3.75 checks no V3 combo against its list. The file is read against the
-        # model when the node runs (the model is not known here); a LoRA over experts in parallel workers is
-        # refused from the graph.
+        # model when the node runs (the model is not known here); a merge over experts sharded across parallel
+        # workers is refused from the graph.
         try:
             if lora_name is not None:
                 _lora_path(lora_name)
-                graph = this_node()
-                if graph is not None:
-                    check_lora_in_graph(graph[0], graph[2], lora_name)
+            graph = this_node()
+            if graph is not None:
+                check_lora_in_graph(graph[0], graph[2], merge)
         except WanVACEInputError as error:
             return str(error)
         return True

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import types
 
 import pytest
 import torch
@@ -356,14 +355,6 @@ def test_parsed_files_are_cached_until_the_file_changes(lora_path, tmp_path, con
     reread = load_lora(copy)
     os.utime(copy, ns=(1, 1))
     assert load_lora(copy) is not reread
-
-
-def test_loras_on_parallel_experts_are_refused(lora_path):
-    remote = types.SimpleNamespace(remote=object())
-    with pytest.raises(WanVACEInputError, match="not supported yet with parallel options"):
-        check_lora(remote, LoraPatch(lora_path))
-    with pytest.raises(WanVACEInputError, match="not supported yet"), applied_loras(remote, [LoraPatch(lora_path)]):
-        pass
 
 
 @pytest.mark.parametrize(

@@ -18,10 +18,13 @@ workers is tests/test_parallel_workers.py; the same modes under both launchers, 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from tests.distributed import ServingWorkers, threads_of_workers
+from tests.lora_files import lora_content, write_lora
 from tests.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH
 from wanvace_core import (
     CacheOptions,
@@ -35,6 +38,7 @@ from wanvace_core import (
     sample,
 )
 from wanvace_core.parallel.launcher import cpu_threads_per_worker
+from wanvace_core.runtime.lora import LoraPatch, check_lora
 
 SETTINGS = SamplerSettings(seed=7, steps=6, cfg=5.0, cfg_low_noise=4.0)
 CACHE = CacheOptions(residual_diff_threshold=0.3, high_noise=ExpertCacheLimits(1), low_noise=ExpertCacheLimits(1))
@@ -67,9 +71,18 @@ def _rehomed(model):
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_folder):
+def lora(tiny_folder, tmp_path_factory) -> LoraPatch:
+    """A lightx2v-style LoRA (low-rank pairs on every Linear, full differences on biases, norms, the Conv3d patch
+    embeddings and the modulation tables), at a different strength on each expert."""
+    content = lora_content(load_pipeline(tiny_folder, "fp32"), rank=4, seed=3, alpha=2.0, diffs=True)
+    path = write_lora(tmp_path_factory.mktemp("loras") / "lightx2v_style.safetensors", content, "lightx2v")
+    return LoraPatch(path, strength_high_noise=0.8, strength_low_noise=1.2)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_folder, lora):
     """The conditioning, and the single-process results for a world size: computed once per intra-op thread
-    count, on as many threads as each of that many workers has (see `threads_of_workers`)."""
+    count, on as many threads as each of that many workers has (see `threads_of_workers`); "lora" with the LoRA."""
     model = load_pipeline(tiny_folder, "fp32")
     cond = prepare_conditioning(
         model, VACEInputs(positive=PROMPT, negative=NEGATIVE, width=WIDTH, height=HEIGHT, length=LENGTH)
@@ -86,7 +99,10 @@ def reference(tiny_folder):
                     for layout, pipeline in pipelines.items()
                     for cache in (None, CACHE)
                 }
+                for layout, pipeline in pipelines.items():
+                    expected[layout, "lora"] = sample(pipeline.with_loras(lora), cond, SETTINGS)
             assert all(e.cached_steps for e in expected["file", True].cache_report.experts)  # the cache caches
+            assert not torch.equal(expected["file", "lora"].latents, expected["file", False].latents)
             by_threads[threads] = expected
         return by_threads[threads]
 
@@ -110,28 +126,33 @@ def serving(tmp_path_factory):
         started.stop()
 
 
-def _check_mode(tiny_folder, reference, workers, mode: dict, offload: OffloadOptions | None = None) -> None:
+def _check_mode(
+    tiny_folder, reference, workers, mode: dict, lora: LoraPatch, offload: OffloadOptions | None = None
+) -> None:
     cond, expected_for = reference
     all_expected = expected_for(workers.world)
     layout = "file" if mode["shard"] == "none" and offload is None else "fresh"
-    expected = {cached: all_expected[layout, cached] for cached in (False, True)}
+    expected = {key: all_expected[layout, key] for key in (False, True, "lora")}
     with workers.stopped_on_failure():
         model = load_pipeline(tiny_folder, "fp32", offload=offload, parallel=workers.options(**mode))
         try:
-            _check_samples(model, cond, expected, mode)
+            _check_samples(model, cond, expected, mode, lora)
         finally:
             model.remote.close()
 
 
-def _check_samples(model, cond, expected: dict, mode: dict) -> None:
+def _check_samples(model, cond, expected: dict, mode: dict, lora: LoraPatch) -> None:
     for cached in (False, True):
         got = sample(model, cond, SETTINGS, cache=CACHE if cached else None)
-        difference = (got.latents - expected[cached].latents).abs().max().item()
-        if mode.get("ulysses_degree", 1) > 1:
-            assert difference <= ULYSSES_TOLERANCE, (mode, cached, difference)
-        else:
-            assert difference == 0.0, (mode, cached, difference)
+        _check_difference(got.latents, expected[cached].latents, mode, cached)
         assert got.cache_report == expected[cached].cache_report
+    # The LoRA is applied on every rank (on the fly: hooks on each rank's whole, sharded or sequence-split experts).
+    check_lora(model, lora)
+    with_lora = sample(model.with_loras(lora), cond, SETTINGS).latents
+    _check_difference(with_lora, expected["lora"].latents, mode, "lora")
+    if mode["shard"] != "none":
+        with pytest.raises(WanVACEInputError, match=f"shard={mode['shard']} keeps each expert weight in shards"):
+            check_lora(model, dataclasses.replace(lora, merge=True))
     again = sample(model, cond, SETTINGS)
     assert torch.equal(again.latents, sample(model, cond, SETTINGS).latents)  # stable across prompts
     if mode.get("ulysses_degree", 1) > 1:
@@ -144,22 +165,30 @@ def _check_samples(model, cond, expected: dict, mode: dict) -> None:
         assert torch.equal(sample(model, cond, SETTINGS).latents, again.latents)
 
 
+def _check_difference(got: torch.Tensor, expected: torch.Tensor, mode: dict, case) -> None:
+    difference = (got - expected).abs().max().item()
+    if mode.get("ulysses_degree", 1) > 1:
+        assert difference <= ULYSSES_TOLERANCE, (mode, case, difference)
+    else:
+        assert difference == 0.0, (mode, case, difference)
+
+
 @pytest.mark.parametrize("mode", list(MODES))
-def test_two_workers_equal_one_process(tiny_folder, reference, serving, mode):
-    _check_mode(tiny_folder, reference, serving(2), MODES[mode])
+def test_two_workers_equal_one_process(tiny_folder, reference, serving, lora, mode):
+    _check_mode(tiny_folder, reference, serving(2), MODES[mode], lora)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", list(WORLD4_MODES))
-def test_four_workers_equal_one_process(tiny_folder, reference, serving, mode):
-    _check_mode(tiny_folder, reference, serving(4), WORLD4_MODES[mode])
+def test_four_workers_equal_one_process(tiny_folder, reference, serving, lora, mode):
+    _check_mode(tiny_folder, reference, serving(4), WORLD4_MODES[mode], lora)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", list(OFFLOAD_MODES))
-def test_offload_per_rank_composes_with_sharding_and_ulysses(tiny_folder, reference, serving, mode):
+def test_offload_per_rank_composes_with_sharding_and_ulysses(tiny_folder, reference, serving, lora, mode):
     options, offload = OFFLOAD_MODES[mode]
-    _check_mode(tiny_folder, reference, serving(2), options, offload)
+    _check_mode(tiny_folder, reference, serving(2), options, lora, offload)
 
 
 def test_single_files_shard_in_the_workers_bitwise(tmp_path, serving, comfy_components_default):

@@ -18,6 +18,7 @@ import time
 import pytest
 import torch
 
+from tests.lora_files import lora_content, write_lora
 from tests.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH
 from wanvace_core import (
     CacheOptions,
@@ -31,6 +32,7 @@ from wanvace_core import (
     sample,
 )
 from wanvace_core.parallel import ParallelOptions, WanVACEWorkerError, messages
+from wanvace_core.runtime.lora import LoraPatch
 
 # The references here run in this process and must equal two workers bitwise.
 pytestmark = pytest.mark.usefixtures("threads_like_two_workers")
@@ -186,6 +188,24 @@ def test_a_cancelled_outside_solver_stops_the_workers_and_the_next_run_is_unchan
         assert torch.equal(sample(cfg_parallel_model, cond, SETTINGS, stepper=_Heun()).latents, expected)
     assert torch.equal(sample(cfg_parallel_model, cond, SETTINGS).latents, sample(model, cond, SETTINGS).latents)
     assert cfg_parallel_model.remote.workers.pids == pids
+
+
+def test_loras_merged_and_on_the_fly_run_in_the_workers_and_equal_one_process_bitwise(
+    reference, cfg_parallel_model, tmp_path
+):
+    """The LoRA patches travel with each run; every rank reads the file and applies them (merged where the experts are
+    whole on each rank, as here), also under an outside solver."""
+    model, cond = reference
+    path = write_lora(tmp_path / "lora.safetensors", lora_content(model, rank=4, seed=5, diffs=True), "comfy")
+    plain = sample(model, cond, SETTINGS).latents
+    for merge in (False, True):
+        patch = LoraPatch(path, strength_high_noise=0.7, strength_low_noise=1.3, merge=merge)
+        expected = sample(model.with_loras(patch), cond, SETTINGS).latents
+        assert not torch.equal(expected, plain)
+        assert torch.equal(sample(cfg_parallel_model.with_loras(patch), cond, SETTINGS).latents, expected), merge
+    expected = sample(model.with_loras(patch), cond, SETTINGS, stepper=_Heun()).latents
+    assert torch.equal(sample(cfg_parallel_model.with_loras(patch), cond, SETTINGS, stepper=_Heun()).latents, expected)
+    assert torch.equal(sample(cfg_parallel_model, cond, SETTINGS).latents, plain)  # the next run has no LoRA
 
 
 def test_context_windows_run_in_the_workers_and_equal_one_process_bitwise(reference, cfg_parallel_model):

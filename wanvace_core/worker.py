@@ -54,6 +54,7 @@ from .parallel.relay import (
 )
 from .parallel.sharding import meta_experts
 from .runtime.caching import CacheOptions
+from .runtime.lora import LoraPatch
 from .runtime.model import WanVACEModel
 from .runtime.offload import OffloadOptions
 from .runtime.plan import RankContext, RuntimePlan, build_model
@@ -222,11 +223,12 @@ class Rank:
         stepper = None
         if stepped is not None:
             stepper = _RelayedCalls(self, request_id, conn, loaded.options.timeout_s, stepped["call_sigmas"])
+        model = loaded.model.with_loras(*(LoraPatch(**patch) for patch in request["loras"]))
         try:
             # CFG parallel already gives each pass its own devices; batching applies where it does not.
             guidance = loaded.guidance or (BatchedGuidance() if request["batched_cfg"] else None)
             result = sample(
-                loaded.model,
+                model,
                 cond,
                 settings,
                 callback=callback,

@@ -278,6 +278,36 @@ def test_comfyui_samplers_step_the_experts_in_the_workers_and_equal_them_without
         assert _same(parallel, plain, exact), (name, (parallel - plain).abs().max())
 
 
+def _lightning_workflow(seed: int, prefix: str, parallel: dict | None) -> dict:
+    """The shipped 4-step Lightning graph (a LoRA per expert, NAG at cfg 1, the distill schedule) in fp32, its latents
+    saved."""
+    workflow = for_tiny_model(json.loads((API_DIR / "wanvace_t2v_lightning.json").read_text()))
+    ids = {node["class_type"]: key for key, node in workflow.items()}
+    workflow[ids["WanVACEModelLoader"]]["inputs"]["dtype"] = DTYPE
+    workflow[ids["WanVACESampler"]]["inputs"]["seed"] = seed
+    if parallel is not None:
+        workflow[PARALLEL_NODE] = {"class_type": "WanVACEParallelOptions", "inputs": _parallel_inputs(**parallel)}
+        workflow[ids["WanVACEModelLoader"]]["inputs"]["parallel"] = [PARALLEL_NODE, 0]
+    for class_type in ("WanVACEDecode", "CreateVideo", "SaveVideo"):
+        del workflow[ids[class_type]]
+    workflow["900"] = {
+        "class_type": "SaveLatent",
+        "inputs": {"samples": [ids["WanVACESampler"], 0], "filename_prefix": prefix},
+    }
+    return workflow
+
+
+@pytest.mark.parametrize("mode", [MODES[1]], indirect=True)
+def test_loras_run_on_sharded_workers_and_equal_them_without(server, mode):
+    """The Lightning graph's two LoRAs (and NAG) on FSDP-sharded workers: each rank applies them to its experts."""
+    options, exact = mode
+    assert options["shard"] == "fsdp"
+    plain = _latent(server, _lightning_workflow(SEEDS[0], "lightning/plain", None))
+    parallel = _latent(server, _lightning_workflow(SEEDS[0], "lightning/fsdp", options))
+    assert len(_worker_pids(server.proc.pid)) == 2, server.log_tail()
+    assert _same(parallel, plain, exact), (parallel - plain).abs().max()
+
+
 # --- whatever the mode -------------------------------------------------------------------------------------------
 
 

@@ -780,16 +780,20 @@ def test_a_bad_input_is_refused_once_under_its_input(label, build, name, fragmen
     _refused_once(comfy_server, workflow, node_id, name, fragment)
 
 
-def test_a_lora_over_parallel_workers_is_refused_under_each_lora_name(comfy_server):
-    workflow, _ = _with_parallel(_lightning())
+def test_a_merged_lora_over_sharded_workers_is_refused_under_each_merge(comfy_server):
+    """LoRAs run on parallel workers; merged into sharded experts they cannot (each rank holds a shard of a weight)."""
+    workflow, _ = _with_parallel(_lightning())  # shard fsdp
+    loras = sorted(key for key, node in workflow.items() if node["class_type"] == "WanVACELoraLoader")
+    for node_id in loras:
+        workflow[node_id]["inputs"]["merge"] = True
     code, body, _ = _post(comfy_server, workflow)
     assert code == 400, body
-    loras = sorted(key for key, node in workflow.items() if node["class_type"] == "WanVACELoraLoader")
     assert sorted(body["node_errors"]) == loras
     for node_id in loras:
         (error,) = body["node_errors"][node_id]["errors"]
-        assert error["extra_info"]["input_name"] == "lora_name"
-        assert "LoRAs do not run yet on experts in parallel workers" in error["details"]
+        assert error["extra_info"]["input_name"] == "merge", error
+        assert "merge=True: the loader's WanVACE Parallel Options shard the experts (shard=fsdp)" in error["details"]
+        assert "set merge off" in error["details"], error
 
 
 def test_a_width_through_comfyuis_primitive_node_is_checked_against_the_model(comfy_server):

@@ -303,9 +303,9 @@ def sample(
 
     `batched_cfg` runs each guided step's two passes as one call of batch 2 (`BatchedGuidance`; a CFG-parallel
     `guidance` splits them over devices instead). A model whose experts run in parallel workers (`model.remote`)
-    hands the whole run to them. `windows` denoises the video as overlapping context windows at every step
-    (`windows.py`); a video no longer than one window runs as without them, bit for bit. `between_windows` runs
-    before each window (raising stops the run). `stepper` (an outside solver, `stepping.Stepper`) steps instead of
+    hands the whole run to them, its LoRAs included. `windows` denoises the video as overlapping context windows at
+    every step (`windows.py`); a video no longer than one window runs as without them, bit for bit. `between_windows`
+    runs before each window (raising stops the run). `stepper` (an outside solver, `stepping.Stepper`) steps instead of
     the built-in scheduler, over `settings.sigmas` or else the built-in scheduler's sigmas. `rules` says how each
     expert's two predictions combine (plain CFG where None).
     """
@@ -319,11 +319,6 @@ def sample(
     # Before the first step: a size the model's RoPE table cannot hold fails deep inside it.
     check_frames(size_limits_of(model), cond.length, cond.num_reference_images, windows)
     if model.remote is not None:
-        if model.loras:
-            raise WanVACEInputError(
-                "LoRAs are not supported yet with experts in parallel workers; disconnect the parallel input of the "
-                "loader, or the WanVACE LoRA Loader."
-            )
         if stepper is not None:
             return _outside_steps_in_workers(
                 model, cond, settings, callback, cache, stepper, batched_cfg, windows, rules
@@ -337,6 +332,7 @@ def sample(
             batched_cfg=batched_cfg,
             windows=windows,
             rules=rules,
+            loras=model.loras,
         )
         return SampleResult(latents=latents, cache_report=None if report is None else CacheReport.from_plain(report))
     guidance = guidance or (BatchedGuidance() if batched_cfg else Guidance())
@@ -433,6 +429,7 @@ def _outside_steps_in_workers(
         batched_cfg=batched_cfg,
         windows=windows,
         rules=rules,
+        loras=model.loras,
     ) as workers:
         denoiser = _WorkersDenoiser(workers, negative_pass_everywhere)
         latents = stepper.run(denoiser, noise, sigmas, settings.seed, callback or (lambda *_: None))

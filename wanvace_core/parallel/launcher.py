@@ -286,7 +286,7 @@ class RemoteExperts:
 
     # -- sampling --------------------------------------------------------------------------------
 
-    def _sample_fields(self, cond, settings, cache, tokens: int, batched_cfg: bool, windows, rules) -> dict:
+    def _sample_fields(self, cond, settings, cache, tokens: int, batched_cfg: bool, windows, rules, loras) -> dict:
         self.options.check_guidance(settings.cfg, settings.cfg_low_noise)
         self.options.check_tokens(tokens)
         if not self.running:
@@ -298,6 +298,8 @@ class RemoteExperts:
             "batched_cfg": batched_cfg,
             "windows": None if windows is None else messages.plain(windows),
             "rules": None if rules is None else messages.plain(rules),
+            # Each rank reads the LoRA files itself, as it reads the experts: the same paths on every machine.
+            "loras": [{**messages.plain(patch), "path": str(patch.path)} for patch in loras],
         }
 
     def sample(
@@ -310,15 +312,16 @@ class RemoteExperts:
         batched_cfg: bool = False,
         windows=None,
         rules=None,
+        loras=(),
     ) -> tuple[torch.Tensor, dict | None]:
         """Runs `sample` in the workers: (latents, the cache report's fields or None).
 
         `cond`, `settings` and `cache` are the sampler's dataclasses (`cache` may be None); `tokens` is the run's
         sequence length (checked against Ulysses); `batched_cfg` batches the CFG passes where the workers do not split
         them (cfg_parallel); `windows` (the sampler's context-window options, or None) run inside the workers, and so do
-        `rules` (the guidance options, or None).
+        `rules` (the guidance options, or None) and `loras` (the model's LoRA patches, which each rank applies).
         """
-        fields = self._sample_fields(cond, settings, cache, tokens, batched_cfg, windows, rules)
+        fields = self._sample_fields(cond, settings, cache, tokens, batched_cfg, windows, rules, loras)
         try:
             self.conn.send_bytes(messages.encode("sample", **fields))
             stopping: BaseException | None = None
@@ -355,13 +358,14 @@ class RemoteExperts:
         batched_cfg: bool = False,
         windows=None,
         rules=None,
+        loras=(),
     ) -> Iterator[SteppedRun]:
         """A run whose solver steps in this process (ComfyUI's SAMPLER): the workers enter `sample` as for
         `sample` and answer each call of the `SteppedRun` this yields with the denoised estimate. `call_sigmas`: the
         sigma of every call the solver will make (step caching counts them), or None for an adaptive solver. Leaving
         the block ends the run; leaving it by an exception (ComfyUI's cancel) stops the workers within the call they
         are in, and the exception goes on."""
-        fields = self._sample_fields(cond, settings, cache, tokens, batched_cfg, windows, rules)
+        fields = self._sample_fields(cond, settings, cache, tokens, batched_cfg, windows, rules, loras)
         fields["stepped"] = {"call_sigmas": call_sigmas}
         run = SteppedRun(self)
         run.send("sample", **fields)

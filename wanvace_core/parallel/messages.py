@@ -14,7 +14,7 @@ import torch
 
 from ..errors import WanVACEError
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 class WanVACEWorkerError(WanVACEError, RuntimeError):

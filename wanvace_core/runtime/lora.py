@@ -44,7 +44,6 @@ from ..errors import WanVACEInputError
 from ..hooks import ModuleHooks
 from ..load.quantized import QuantizedLinear
 from ..validation import validate_finite
-from .offload import OnDevice
 
 logger = logging.getLogger(__name__)
 
@@ -450,17 +449,9 @@ def _expect_shape(weights, expert, entry: LoraEntry, tensor: torch.Tensor, shape
         raise _foreign(weights, expert, entry, problem, part)
 
 
-def _refuse_remote(model) -> None:
-    if getattr(model, "remote", None) is not None:
-        raise WanVACEInputError(
-            "LoRAs are not supported yet with parallel options (the experts run in the workers); disconnect the "
-            "parallel options or the LoRA."
-        )
-
-
 def check_lora(model, patch: LoraPatch) -> None:
-    """Refuses, before any sampling, a LoRA file that does not fit `model`'s experts (naming file and key)."""
-    _refuse_remote(model)
+    """Refuses, before any sampling, a LoRA file that does not fit `model`'s experts (naming file and key). With the
+    experts in parallel workers this reads the meta stand-ins' shapes; each rank applies the LoRA itself."""
     weights = load_lora(patch.path)
     _changes(weights, model.reference_expert)
     if patch.merge:
@@ -585,12 +576,15 @@ def _compute_dtype(linear: torch.nn.Module, model_dtype: torch.dtype) -> torch.d
     return linear.weight.dtype
 
 
-def _offload_mode(model) -> str:
-
-    residency = model.residency
-    if residency is None or isinstance(residency, OnDevice):
+def _resting_place(model) -> str:
+    """Where the experts' weights rest between uses, from the model's runtime plan: "none" (on the device), the
+    offload mode, or "sharded" (FSDP/HSDP shards across parallel workers)."""
+    plan = model.plan
+    if plan is None:
         return "none"
-    return residency.options.mode
+    if plan.parallel is not None and plan.parallel.shard != "none":
+        return "sharded"
+    return plan.offload.mode
 
 
 def _expert_changes(model, patches: Sequence[LoraPatch]) -> list[tuple[str, LoraPatch, float, list[_Change]]]:
@@ -612,7 +606,13 @@ def _refuse_merge(model, planned) -> None:
     for _attribute, patch, _strength, changes in planned:
         if not patch.merge:
             continue
-        mode = _offload_mode(model)
+        mode = _resting_place(model)
+        if mode == "sharded":
+            raise WanVACEInputError(
+                f"LoRA {patch.path} has merge on, but shard={model.plan.parallel.shard} keeps each expert weight in "
+                "shards across the workers, which cannot be merged into; set merge off (the LoRA is then applied on "
+                "the fly, which works with sharding), or set shard to none in WanVACE Parallel Options."
+            )
         if mode != "none":
             raise WanVACEInputError(
                 f"LoRA {patch.path} has merge on, but offload mode '{mode}' keeps the weights off the device between "
@@ -717,11 +717,11 @@ def applied_loras(model, patches: Sequence[LoraPatch]) -> Iterator[None]:
     if not patches:
         yield
         return
-    _refuse_remote(model)
     planned = _expert_changes(model, patches)
     _refuse_merge(model, planned)
     # Under offload the weights live in host memory between uses; so do the LoRA terms (copied in per use).
-    device = model.device if _offload_mode(model) == "none" else torch.device("cpu")
+    offloaded = model.plan is not None and model.plan.offload.mode != "none"
+    device = torch.device("cpu") if offloaded else model.device
     hooks = ModuleHooks()
     binders: list[_BoundParameters] = []
     try:
@@ -742,7 +742,9 @@ def applied_loras(model, patches: Sequence[LoraPatch]) -> Iterator[None]:
                         bound[id(change.module)].add(change.attr, _delta(change, strength).to(device))
                 _log(patch, attribute, strength, changes, "applied on the fly")
             for module, terms in outputs.values():
-                hooks.post(module, terms)
+                # First among the module's output hooks: the terms add to the layer's own output, before a hook that
+                # reshapes it (Ulysses gathers `proj_out`'s sequence shards) sees it.
+                hooks.post(module, terms, prepend=True)
             for binder in bound.values():
                 binders.append(binder)
                 # Registered after offload's hooks, so the pre-hook patches the copy offload just bound;
