@@ -221,9 +221,9 @@ def test_inputs_of_another_size_are_centre_cropped_and_resized():
     assert 0.0 <= float(fields["control_video"].min()) and float(fields["control_video"].max()) <= 1.0
 
 
-def test_the_readme_tiny_model_commands_run_as_written(tmp_path):
-    section = (REPO / "README.md").read_text().split("## Offline command")[1].split("\n## ")[0]
-    (commands,) = [block.split("```")[0] for block in section.split("```bash\n")[1:] if "load.tiny" in block]
+def test_the_docs_tiny_model_commands_run_as_written(tmp_path):
+    page = (REPO / "docs" / "offline-command.md").read_text()
+    (commands,) = [block.split("```")[0] for block in page.split("```bash\n")[1:] if "load.tiny" in block]
     assert ".venvs/current/bin/python" in commands and "/tmp/" in commands
     # /tmp/ first: a clone under /tmp has it in sys.executable too.
     commands = commands.replace("/tmp/", f"{tmp_path}/").replace(

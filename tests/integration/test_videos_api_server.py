@@ -375,10 +375,10 @@ def test_memory_stays_flat_over_twenty_jobs(api_server):
     assert _temp_files(api_server) == []
 
 
-# --- the README's commands, as written ---------------------------------------------------------------------
+# --- the docs' commands, as written -----------------------------------------------------------------------
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-# The README's values for the real model, and the tiny model's.
+VIDEOS_API_DOC = Path(__file__).resolve().parents[2] / "docs" / "videos-api.md"
+# The docs' values for the real model, and the tiny model's.
 TINY_VALUES = {
     "http://127.0.0.1:8188": None,  # the test server's address
     "width=832": "width=64",
@@ -389,22 +389,21 @@ TINY_VALUES = {
 }
 
 
-def _readme_client_commands() -> str:
-    section = README.read_text().split("## Videos API")[1].split("\n## ")[0]
-    blocks = section.split("```bash\n")[1:]
+def _doc_client_commands() -> str:
+    blocks = VIDEOS_API_DOC.read_text().split("```bash\n")[1:]
     (commands,) = [block.split("```")[0] for block in blocks if "curl" in block]
     return commands
 
 
-def test_the_readme_curl_commands_run_as_written(api_server, tmp_path):
+def test_the_docs_curl_commands_run_as_written(api_server, tmp_path):
     import shutil
     import subprocess
 
     if shutil.which("curl") is None or shutil.which("jq") is None:
-        pytest.skip("SKIPPED: the README's commands need curl and jq")
-    commands = _readme_client_commands()
+        pytest.skip("SKIPPED: the docs' commands need curl and jq")
+    commands = _doc_client_commands()
     for real, tiny in TINY_VALUES.items():
-        assert real in commands, f"the README's commands no longer hold {real!r}"
+        assert real in commands, f"docs/videos-api.md's commands no longer hold {real!r}"
         commands = commands.replace(real, tiny or api_server.url)
     (tmp_path / "first.png").write_bytes(_png_bytes(9))
     done = subprocess.run(
@@ -419,7 +418,7 @@ def test_the_readme_curl_commands_run_as_written(api_server, tmp_path):
     assert _temp_files(api_server) == []
 
 
-# The README's SDK example's values for the real model, and the tiny model's.
+# The docs' SDK example's values for the real model, and the tiny model's.
 SDK_TINY_VALUES = {
     "http://127.0.0.1:8188/v1": None,  # the test server's address
     'size="832x480"': f'size="{WIDTH}x{HEIGHT}"',
@@ -428,14 +427,13 @@ SDK_TINY_VALUES = {
 }
 
 
-def test_the_readme_openai_sdk_example_runs_as_written(api_server, tmp_path):
+def test_the_docs_openai_sdk_example_runs_as_written(api_server, tmp_path):
     import subprocess
     import sys
 
-    section = README.read_text().split("## Videos API")[1].split("\n## ")[0]
-    (example,) = [block.split("```")[0] for block in section.split("```python\n")[1:]]
+    (example,) = [block.split("```")[0] for block in VIDEOS_API_DOC.read_text().split("```python\n")[1:]]
     for real, tiny in SDK_TINY_VALUES.items():
-        assert real in example, f"the README's SDK example no longer holds {real!r}"
+        assert real in example, f"docs/videos-api.md's SDK example no longer holds {real!r}"
         example = example.replace(real, tiny or f"{api_server.url}/v1")
     done = subprocess.run(
         [sys.executable, "-W", "ignore::DeprecationWarning", "-c", example],
