@@ -98,7 +98,8 @@ class WanVACEParallelOptions(io.ComfyNode):
                     options=list(LAUNCHERS),
                     default="local",
                     tooltip="local: ComfyUI starts one worker per device on this machine. torchrun: the workers were "
-                    "started with torchrun on each machine (see the README); ComfyUI connects to rank 0 at endpoint.",
+                    "started with torchrun on each machine (see docs/parallel.md); ComfyUI connects to rank 0 at "
+                    "endpoint.",
                 ),
                 io.String.Input(
                     "endpoint",

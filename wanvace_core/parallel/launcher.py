@@ -238,7 +238,7 @@ class RemoteExperts:
                     where = "the local workers' control port" if address is None else f"{address[0]}:{address[1]}"
                     raise WanVACEWorkerError(
                         f"no WanVACE worker answered at {where} within {wait_s:g} s "
-                        f"({error}); for launcher=torchrun start the workers first (see the README) and give "
+                        f"({error}); for launcher=torchrun start the workers first (see docs/parallel.md) and give "
                         "rank 0's --serve address as endpoint."
                     ) from error
                 time.sleep(_POLL_S)
