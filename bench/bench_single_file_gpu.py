@@ -42,8 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.bench_offload_gpu import A14B, TINY
 from bench.timing import row_timing, sync, timed_steps
 from tests.rss import read_status, tensor_bytes
-from wanvace_core.load.pipeline_folder import set_tensor
 from wanvace_core.load.quantized import QuantizedLinear, WeightFormat, replace_linears
+from wanvace_core.load.tensor_files import set_tensor
 from wanvace_core.runtime.interleave import apply_interleaved_vace
 
 FORMATS = ("bf16", "fp8", "q8_0")

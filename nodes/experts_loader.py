@@ -20,17 +20,15 @@ from ..wanvace_core import (
     WanVACEModel,
     inspect_expert_files,
     load_expert_files,
-    replan,
 )
 from ..wanvace_core.generation.limits import SizeLimits, size_limits_of_layouts
-from ..wanvace_core.load.single_file import DEFAULT_BOUNDARY_RATIO, file_stamps, resident_bytes
+from ..wanvace_core.load.single_file import DEFAULT_BOUNDARY_RATIO, expert_file_stamps, resident_bytes
 from ..wanvace_core.parallel import ParallelOptions
 from ..wanvace_core.runtime.loaders import refuse_fp8_matmul_without_fp8
 from ..wanvace_core.validation import nan_refusing_min
-from .held import forget_last, forget_on_unload, hold, reusable
-from .memory import cooperate, make_room_before_loading
+from .held import load_or_reuse
 from .model_files import list_weight_files, refuse_unlisted, resolve_listed_file, where_to_get
-from .runtime_inputs import attention_input, compile_input, fp8_matmul_input, runtime_refusal
+from .runtime_inputs import attention_input, compile_input, fp8_matmul_input, runtime_plan, runtime_refusal
 from .types import CATEGORY, WanVACEModelType, WanVACEOffloadType, WanVACEParallelType
 
 logger = logging.getLogger(__name__)
@@ -278,59 +276,26 @@ class WanVACEExpertsLoader(io.ComfyNode):
         files = _expert_files(
             high_noise_model, low_noise_model, text_encoder, vae, high_noise_vace_module, low_noise_vace_module
         )
-        return io.NodeOutput(
-            load_held_experts(
-                files, dtype, weight_dtype, boundary_ratio, device, offload, parallel, attention, fp8_matmul, compile
-            )
-        )
+        plan = runtime_plan(offload, parallel, attention, fp8_matmul, compile)
+        return io.NodeOutput(load_experts_or_reuse(files, dtype, weight_dtype, boundary_ratio, plan, device))
 
 
-def load_held_experts(
-    files: ExpertFiles,
-    dtype,
-    weight_dtype,
-    boundary_ratio,
-    device,
-    offload,
-    parallel=None,
-    attention: str = DEFAULT_ATTENTION,
-    fp8_matmul: bool = False,
-    compile: bool = False,
+def load_experts_or_reuse(
+    files: ExpertFiles, dtype: str, weight_dtype: str, boundary_ratio: float, plan: RuntimePlan, device
 ) -> WanVACEModel:
-    """Loads the files, or re-attaches the pipeline already loaded from them when only the runtime options (offload,
-    attention, fp8_matmul, compile) changed.
-
-    With `parallel` the experts run in workers whose runtime options are fixed at load, so any change loads again.
-    """
-    options = offload or OffloadOptions()
+    """`load_or_reuse` for single files (and the original release's folder, read as its files)."""
     layouts = inspect_expert_files(files)
-    key = ("experts", files, dtype, weight_dtype, float(boundary_ratio), str(device))
-    if parallel is not None:
-        key += (options, parallel, attention, fp8_matmul, compile)
-    model = reusable(key, file_stamps(layouts))
-    forget_last()  # other files or settings must not stay held beside this one
-    if model is not None and parallel is not None:
-        logger.info("WanVACE: reusing the experts loaded in the parallel workers")
-    elif model is not None:
-        if fp8_matmul:  # refused before the re-plan starts changing the model (a fresh load refuses it itself)
+
+    def before_replan() -> None:
+        if plan.fp8_matmul:  # refused before the re-plan starts changing the model (a fresh load refuses it itself)
             refuse_fp8_matmul_without_fp8(files, weight_dtype, layouts)
-        replan(model, RuntimePlan(offload=options, attention=attention, fp8_matmul=fp8_matmul, compile=compile))
-        logger.info("WanVACE: reusing the loaded experts (offload %r, attention %r)", options.mode, attention)
-    else:
-        if options.mode == "none" and parallel is None:
-            make_room_before_loading(device, resident_bytes(layouts, dtype, weight_dtype))
-        model = load_expert_files(
-            files,
-            dtype,
-            weight_dtype,
-            boundary_ratio,
-            device,
-            offload=options,
-            parallel=parallel,
-            attention=attention,
-            fp8_matmul=fp8_matmul,
-            compile=compile,
-        )
-    hold(key, model)
-    cooperate(model, device).on_unload = forget_on_unload(model)
-    return model
+
+    return load_or_reuse(
+        ("experts", files, dtype, weight_dtype, float(boundary_ratio)),
+        expert_file_stamps(layouts),
+        plan,
+        device,
+        load=lambda plan: load_expert_files(files, dtype, weight_dtype, boundary_ratio, device, plan=plan),
+        resident_bytes=lambda: resident_bytes(layouts, dtype, weight_dtype),
+        before_replan=before_replan,
+    )

@@ -12,30 +12,26 @@ from ..wanvace_core import (
     DEFAULT_ATTENTION,
     DTYPES,
     OffloadOptions,
-    RuntimePlan,
     WanVACEError,
     WanVACEInputError,
     find_pipeline_folders,
     inspect_pipeline_folder,
     load_pipeline,
-    replan,
 )
 from ..wanvace_core.generation.limits import SizeLimits, size_limits_of_folder, size_limits_of_layouts
-from ..wanvace_core.load.pipeline_folder import file_stamps
-from ..wanvace_core.load.single_file import (
-    DEFAULT_BOUNDARY_RATIO,
+from ..wanvace_core.load.original_release import (
     ORIGINAL_VAE,
     find_original_folders,
-    inspect_expert_files,
     is_original_folder,
     original_folder_files,
 )
+from ..wanvace_core.load.pipeline_folder import folder_file_stamps
+from ..wanvace_core.load.single_file import DEFAULT_BOUNDARY_RATIO, inspect_expert_files
 from ..wanvace_core.parallel import ParallelOptions
-from .experts_loader import load_held_experts
-from .held import forget_last, forget_on_unload, hold, reusable
-from .memory import cooperate, make_room_before_loading
+from .experts_loader import load_experts_or_reuse
+from .held import load_or_reuse
 from .model_files import folder_roots, resolve_listed_folder
-from .runtime_inputs import attention_input, compile_input, runtime_refusal
+from .runtime_inputs import attention_input, compile_input, runtime_plan, runtime_refusal
 from .types import CATEGORY, WanVACEModelType, WanVACEOffloadType, WanVACEParallelType
 
 MODEL_FOLDER = "diffusers"
@@ -169,64 +165,20 @@ class WanVACEModelLoader(io.ComfyNode):
     ) -> io.NodeOutput:
         device = comfy.model_management.get_torch_device()
         folder = resolve_model_folder(model_name)
-        options = offload or OffloadOptions()
-        if parallel is not None:
-            return io.NodeOutput(
-                _load_parallel(folder, dtype, device, options, parallel, attention, compile, allow_pth_weights)
-            )
+        plan = runtime_plan(offload, parallel, attention, compile=compile)
         if is_original_folder(folder):
             files = original_folder_files(folder, allow_pth_weights)
-            return io.NodeOutput(
-                load_held_experts(
-                    files, dtype, "auto", DEFAULT_BOUNDARY_RATIO, device, options, attention=attention, compile=compile
-                )
+            return io.NodeOutput(load_experts_or_reuse(files, dtype, "auto", DEFAULT_BOUNDARY_RATIO, plan, device))
+        return io.NodeOutput(
+            load_or_reuse(
+                ("folder", folder, dtype),
+                folder_file_stamps(inspect_pipeline_folder(folder, check_weights=False)),
+                plan,
+                device,
+                load=lambda plan: load_pipeline(folder, dtype, device, plan=plan),
+                resident_bytes=lambda: _weight_file_bytes(folder),
             )
-        if options.mode != "none" and device.type == "cpu":
-            logger.warning(
-                "WanVACE offload mode %r on a CPU-only ComfyUI only adds copying; use mode 'none' there.", options.mode
-            )
-        key = ("folder", folder, dtype, str(device))
-        model = reusable(key, file_stamps(inspect_pipeline_folder(folder, check_weights=False)))
-        forget_last()  # a pipeline of other files, or another dtype, must not stay held beside this one
-        if model is not None:
-            # Only the runtime options changed: re-attach to the weights in memory, not re-read them.
-            replan(model, RuntimePlan(offload=options, attention=attention, compile=compile))
-            logger.info("WanVACE: reusing the loaded %s (offload %r, attention %r)", folder, options.mode, attention)
-        else:
-            if options.mode == "none":
-                make_room_before_loading(device, _weight_file_bytes(folder))
-            model = load_pipeline(folder, dtype, device, offload=options, attention=attention, compile=compile)
-        hold(key, model)
-        cooperate(model, device).on_unload = forget_on_unload(model)
-        return io.NodeOutput(model)
-
-
-def _load_parallel(
-    folder: Path,
-    dtype: str,
-    device,
-    offload: OffloadOptions,
-    parallel: ParallelOptions,
-    attention: str,
-    compile: bool,
-    allow_pth_weights: bool,
-):
-    """Experts in parallel workers, text encoder and VAE here; the workers live as long as the model."""
-    if is_original_folder(folder):
-        files = original_folder_files(folder, allow_pth_weights)
-        return load_held_experts(
-            files, dtype, "auto", DEFAULT_BOUNDARY_RATIO, device, offload, parallel, attention, compile=compile
         )
-    key = ("parallel", folder, dtype, str(device), offload, parallel, attention, compile)
-    model = reusable(key, file_stamps(inspect_pipeline_folder(folder, check_weights=False)))
-    forget_last()  # the previous model's workers stop once nothing holds it
-    if model is None:
-        model = load_pipeline(
-            folder, dtype, device, offload=offload, parallel=parallel, attention=attention, compile=compile
-        )
-    hold(key, model)
-    cooperate(model, device).on_unload = forget_on_unload(model)
-    return model
 
 
 def _weight_file_bytes(folder: Path) -> int:

@@ -1,4 +1,5 @@
-"""Loader inputs that choose how the experts run (the runtime plan's options), shared by both loaders."""
+"""Loader inputs that choose how the experts run (the runtime plan's options), shared by both loaders, and the plan
+they make: built once, from the loader's inputs, by `runtime_plan`."""
 
 from __future__ import annotations
 
@@ -8,9 +9,14 @@ import threading
 import comfy.model_management
 from comfy_api.v0_0_2 import io
 
-from ..wanvace_core import ATTENTION_BACKENDS, DEFAULT_ATTENTION, WanVACEInputError, resolve_attention
-from ..wanvace_core.runtime.fp8_matmul import check_fp8_matmul
-from ..wanvace_core.runtime.regional_compile import check_regional_compile
+from ..wanvace_core import (
+    ATTENTION_BACKENDS,
+    DEFAULT_ATTENTION,
+    OffloadOptions,
+    RuntimePlan,
+    WanVACEInputError,
+)
+from ..wanvace_core.parallel import ParallelOptions
 
 
 def attention_input() -> io.Combo.Input:
@@ -27,30 +33,44 @@ def attention_input() -> io.Combo.Input:
     )
 
 
-def attention_refusal(attention: str) -> str | None:
-    """Why `attention` cannot run on ComfyUI's device (naming the package to install), or None."""
-    try:
-        resolve_attention(attention, comfy.model_management.get_torch_device())
-    except WanVACEInputError as error:
-        return str(error)
-    return None
-
-
 # The probes below (a tiny attention call, an fp8 matmul, a compiled kernel: up to a minute on a CPU for the compiler)
 # run once per process and device each; one at a time, so that two prompts queued together do not probe twice.
 _PROBING = threading.Lock()
 
 
+def runtime_plan(
+    offload: OffloadOptions | None = None,
+    parallel: ParallelOptions | None = None,
+    attention: str = DEFAULT_ATTENTION,
+    fp8_matmul: bool = False,
+    compile: bool = False,
+) -> RuntimePlan:
+    """The loader's runtime plan from its inputs (unconnected options are the plan's defaults)."""
+    return RuntimePlan(
+        offload=offload or OffloadOptions(),
+        parallel=parallel,
+        attention=attention,
+        fp8_matmul=fp8_matmul,
+        compile=compile,
+    )
+
+
 def _runtime_refusal(attention: str, compile: bool, fp8_matmul: bool) -> str | None:
     with _PROBING:
-        return attention_refusal(attention) or fp8_matmul_refusal(fp8_matmul) or compile_refusal(compile)
+        try:
+            runtime_plan(attention=attention, fp8_matmul=fp8_matmul, compile=compile).check(
+                comfy.model_management.get_torch_device()
+            )
+        except WanVACEInputError as error:
+            return str(error)
+        return None
 
 
 async def runtime_refusal(attention: str, compile: bool = False, fp8_matmul: bool = False) -> str | None:
-    """Why the loader's runtime options cannot run on ComfyUI's device, or None. For a loader's async
-    `validate_inputs`: the probes run in a worker thread, so ComfyUI's server keeps answering every other request
-    while a first probe runs (it answers this POST /prompt when the probe is done; later prompts get the cached
-    answer)."""
+    """Why the loader's runtime options cannot run on ComfyUI's device (the plan's own check), or None. For a
+    loader's async `validate_inputs`: the probes run in a worker thread, so ComfyUI's server keeps answering every
+    other request while a first probe runs (it answers this POST /prompt when the probe is done; later prompts get
+    the cached answer)."""
     return await asyncio.to_thread(_runtime_refusal, attention, compile, fp8_matmul)
 
 
@@ -66,17 +86,6 @@ def fp8_matmul_input() -> io.Boolean.Input:
     )
 
 
-def fp8_matmul_refusal(fp8_matmul: bool) -> str | None:
-    """Why fp8 matmul cannot run on ComfyUI's device, or None."""
-    if not fp8_matmul:
-        return None
-    try:
-        check_fp8_matmul(comfy.model_management.get_torch_device())
-    except WanVACEInputError as error:
-        return str(error)
-    return None
-
-
 def compile_input() -> io.Boolean.Input:
     return io.Boolean.Input(
         "compile",
@@ -87,14 +96,3 @@ def compile_input() -> io.Boolean.Input:
         "Triton on a GPU or a C++ compiler on a CPU; refused at queue time where it cannot build. Works with "
         "offload, LoRA, cache and parallel workers. Changing only this re-attaches to the weights already loaded.",
     )
-
-
-def compile_refusal(compile: bool) -> str | None:
-    """Why torch.compile cannot build kernels for ComfyUI's device, or None."""
-    if not compile:
-        return None
-    try:
-        check_regional_compile(comfy.model_management.get_torch_device())
-    except WanVACEInputError as error:
-        return str(error)
-    return None

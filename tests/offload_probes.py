@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from dataclasses import dataclass, field
 
@@ -16,6 +17,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from wanvace_core.runtime.interleave import stock_execution_order
 from wanvace_core.runtime.offload import EXPERTS
+from wanvace_core.runtime.plan import RuntimePlan, replan
 from wanvace_core.runtime.transfer import SynchronousTransfer
 
 
@@ -82,3 +84,17 @@ class MeasuredTransfer(SynchronousTransfer):
     def live_bytes(self) -> int:
         gc.collect()
         return sum(nbytes for _, refs in self.copies for ref, nbytes in refs if not ref.expired())
+
+
+def units_of(offloader, component: str) -> list:
+    """Every unit of an `Offloader` that moves weights of `component` (its own, and its streamed blocks)."""
+    units = [offloader.units[component]] if component in offloader.units else []
+    if component in offloader.streamers:
+        units += offloader.streamers[component].units.values()
+    return units
+
+
+def attach_offload(model, options, transfer=None, *, stream_ops=None) -> None:
+    """`replan` with new offload options only (the model's other runtime options kept)."""
+    current = model.plan if model.plan is not None else RuntimePlan()
+    replan(model, dataclasses.replace(current, offload=options), transfer, stream_ops=stream_ops)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.lora_files import lora_content, write_lora
+from tests.offload_probes import attach_offload
 from tests.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH, build_task
 from wanvace_core import (
     CacheOptions,
@@ -18,7 +19,6 @@ from wanvace_core import (
     SamplerSettings,
     VACEInputs,
     WanVACEInputError,
-    attach_offload,
     load_pipeline,
     prepare_conditioning,
     sample,

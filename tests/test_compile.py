@@ -38,7 +38,9 @@ from wanvace_core import (
     replan,
     sample,
 )
-from wanvace_core.runtime.regional_compile import compile_failure, compiled_blocks
+from wanvace_core.hooks import runs_forward
+from wanvace_core.load.loaded import block_lists_of
+from wanvace_core.runtime.regional_compile import compile_failure, compiled_forward
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -73,6 +75,12 @@ def compiled_graph_calls():
         yield calls
     finally:
         CompiledFxGraph.__call__ = original
+
+
+def compiled_blocks(expert: torch.nn.Module) -> list[torch.nn.Module]:
+    """The blocks of `expert` whose forward is the compiled one right now."""
+    blocks = [block for name in block_lists_of(expert) for block in getattr(expert, name)]
+    return [block for block in blocks if runs_forward(block, compiled_forward(type(block)))]
 
 
 def _unique_graphs() -> int:

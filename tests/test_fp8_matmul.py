@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.lora_files import lora_content, write_lora
+from tests.offload_probes import attach_offload
 from tests.single_files import expert_files
 from wanvace_core import (
     LoraPatch,
@@ -20,7 +21,6 @@ from wanvace_core import (
     SamplerSettings,
     VACEInputs,
     WanVACEInputError,
-    attach_offload,
     load_expert_files,
     prepare_conditioning,
     sample,

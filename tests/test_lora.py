@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.lora_files import LORA_FORMATS, LoraContent, hand_merged, lora_content, rehomed, write_lora
+from tests.offload_probes import attach_offload
 from tests.simulated_streams import SimulatedStreamOps
 from wanvace_core import (
     CacheOptions,
@@ -25,12 +26,12 @@ from wanvace_core import (
     SamplerSettings,
     VACEInputs,
     WanVACEInputError,
-    attach_offload,
     load_pipeline,
     prepare_conditioning,
     sample,
 )
-from wanvace_core.runtime.lora import LoraPatch, applied_loras, check_lora, load_lora
+from wanvace_core.load.lora_files import load_lora
+from wanvace_core.runtime.lora import LoraPatch, applied_loras, check_lora
 from wanvace_core.runtime.offload import SynchronousTransfer
 
 INPUTS = VACEInputs(positive="a bird flies over the sea", negative="blurry", width=64, height=48, length=5)

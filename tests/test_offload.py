@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from tests.offload_probes import BlockProbe, MeasuredTransfer
+from tests.offload_probes import BlockProbe, MeasuredTransfer, attach_offload, units_of
 from tests.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH, build_task
 from wanvace_core import (
     CacheOptions,
@@ -20,7 +20,6 @@ from wanvace_core import (
     WanVACEError,
     WanVACEInputError,
     WanVACEModelFolderError,
-    attach_offload,
     decode,
     load_pipeline,
     prepare_conditioning,
@@ -52,7 +51,7 @@ def _offloaded(tiny_folder, transfer=None, **options):
 
 
 def _all_units(model):
-    return [unit for name in COMPONENTS for unit in model.residency.units_of(name)]
+    return [unit for name in COMPONENTS for unit in units_of(model.residency, name)]
 
 
 @pytest.mark.parametrize(
@@ -290,7 +289,7 @@ def test_offloaded_bf16_experts_stay_memory_mapped_in_host_memory(mode, bf16_fol
     _run(model)
     mappings = _file_mappings()
     for expert in ("transformer", "transformer_2"):
-        units = model.residency.units_of(expert)
+        units = units_of(model.residency, expert)
         host = [tensor for unit in units for tensor in unit.host if tensor.dtype == torch.bfloat16]
         assert host and all(tensor.device.type == "cpu" for tensor in host)
         outside = [t.shape for t in host if not any(start <= t.data_ptr() < end for start, end in mappings)]

@@ -12,6 +12,7 @@ import contextlib
 import pytest
 import torch
 
+from tests.offload_probes import attach_offload
 from tests.simulated_streams import ForgetsHostSync, ForgetsStreamWaits, SimulatedStreamOps, StreamHazard
 from tests.test_offload import _run
 from wanvace_core import (
@@ -20,7 +21,6 @@ from wanvace_core import (
     OffloadOptions,
     WanVACEError,
     WanVACEInputError,
-    attach_offload,
     load_pipeline,
 )
 from wanvace_core.runtime.transfer import RingTransfer, Unit, ring_transfer

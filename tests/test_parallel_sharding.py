@@ -48,9 +48,10 @@ from wanvace_core.load.tiny import TinyModelSpec, write_tiny_pipeline
 from wanvace_core.load.weight_files import give_back_freed_heap
 from wanvace_core.parallel.sharding import (
     load_sharded_expert,
-    load_sharded_experts,
     local_shard_bytes,
+    meta_experts,
     prefetch_in_order,
+    shard_and_fill,
     shard_expert,
 )
 from wanvace_core.runtime.interleave import apply_interleaved_vace, current_execution_order, uses_interleaved_vace
@@ -67,6 +68,14 @@ TORCH_DTYPE_NAMES = {"bf16": "torch.bfloat16", "fp16": "torch.float16", "fp32": 
 
 # --------------------------------------------------------------------------------------------------
 # Fixtures (parent process): the files every rank reads
+
+
+def load_sharded_experts(source, dtype, mesh, device, cpu_offload: bool = False, *, weight_dtype: str = "auto") -> dict:
+    """Every expert of a pipeline folder or of single files, sharded (`shard_and_fill` over `meta_experts`)."""
+    return {
+        name: shard_and_fill(expert, sources, mesh, device, cpu_offload)
+        for name, (expert, sources) in meta_experts(source, dtype, weight_dtype=weight_dtype).items()
+    }
 
 
 @pytest.fixture(scope="module")

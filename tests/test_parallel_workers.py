@@ -42,6 +42,10 @@ SETTINGS = SamplerSettings(seed=5, steps=6, cfg=5.0, cfg_low_noise=4.0)
 CACHE = CacheOptions(residual_diff_threshold=0.3, high_noise=ExpertCacheLimits(1), low_noise=ExpertCacheLimits(1))
 
 
+def _pids(model) -> list[int]:
+    return [process.pid for process in model.remote.workers.processes]
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -164,7 +168,7 @@ def test_an_outside_solver_steps_the_workers_and_equals_one_process_bitwise(refe
 
 def test_a_cancelled_outside_solver_stops_the_workers_and_the_next_run_is_unchanged(reference, cfg_parallel_model):
     model, cond = reference
-    pids = cfg_parallel_model.remote.workers.pids
+    pids = _pids(cfg_parallel_model)
     expected = sample(model, cond, SETTINGS, stepper=_Heun()).latents
 
     class Cancel(Exception):
@@ -187,7 +191,7 @@ def test_a_cancelled_outside_solver_stops_the_workers_and_the_next_run_is_unchan
     for _ in range(2):
         assert torch.equal(sample(cfg_parallel_model, cond, SETTINGS, stepper=_Heun()).latents, expected)
     assert torch.equal(sample(cfg_parallel_model, cond, SETTINGS).latents, sample(model, cond, SETTINGS).latents)
-    assert cfg_parallel_model.remote.workers.pids == pids
+    assert _pids(cfg_parallel_model) == pids
 
 
 def test_loras_merged_and_on_the_fly_run_in_the_workers_and_equal_one_process_bitwise(
@@ -225,7 +229,7 @@ def test_context_windows_run_in_the_workers_and_equal_one_process_bitwise(refere
 
 def test_consecutive_prompts_and_a_cancel_keep_the_same_workers_and_result(reference, cfg_parallel_model):
     model, cond = reference
-    pids = cfg_parallel_model.remote.workers.pids
+    pids = _pids(cfg_parallel_model)
     expected = sample(model, cond, SETTINGS).latents
     seen = []
 
@@ -246,7 +250,7 @@ def test_consecutive_prompts_and_a_cancel_keep_the_same_workers_and_result(refer
         got = sample(cfg_parallel_model, cond, SETTINGS, callback=lambda i, n, _l, seen=progress: seen.append((i, n)))
         assert torch.equal(got.latents, expected)
         assert progress == [(i, SETTINGS.steps) for i in range(SETTINGS.steps)]
-    assert cfg_parallel_model.remote.workers.pids == pids
+    assert _pids(cfg_parallel_model) == pids
 
 
 def test_a_cancel_that_arrives_after_its_run_ended_is_not_taken_for_the_next_request(reference, cfg_parallel_model):
@@ -274,7 +278,7 @@ def test_a_killed_worker_fails_the_prompt_and_the_next_prompt_starts_fresh_worke
     model, cond = reference
     expected = sample(model, cond, SETTINGS).latents
     parallel = _parallel(tiny_folder, timeout_s=60.0)
-    old = parallel.remote.workers.pids
+    old = _pids(parallel)
 
     def kill_rank_one(index, _total, _latents):
         if index == 1:
@@ -287,7 +291,7 @@ def test_a_killed_worker_fails_the_prompt_and_the_next_prompt_starts_fresh_worke
     assert _wait_gone(old) == []
     got = sample(parallel, cond, SETTINGS)
     assert torch.equal(got.latents, expected)
-    assert set(parallel.remote.workers.pids).isdisjoint(old)
+    assert set(_pids(parallel)).isdisjoint(old)
     parallel.remote.close()
 
 
@@ -295,7 +299,7 @@ def test_a_killed_worker_fails_the_prompt_and_the_next_prompt_starts_fresh_worke
 def test_a_hung_worker_times_out_and_is_stopped(reference, tiny_folder):
     model, cond = reference
     parallel = _parallel(tiny_folder, timeout_s=4.0)
-    old = parallel.remote.workers.pids
+    old = _pids(parallel)
 
     def hang_rank_one(index, _total, _latents):
         if index == 0:
@@ -327,7 +331,7 @@ def test_freeing_the_model_stops_its_workers_and_their_ports_are_their_own(tiny_
     assert bound == []
     host, port = parallel.remote.workers.control_address()
     assert host == "127.0.0.1" and port > 0
-    pids = parallel.remote.workers.pids
+    pids = _pids(parallel)
     del parallel
     assert _wait_gone(pids) == []
 
@@ -341,7 +345,7 @@ def test_workers_exit_when_the_comfyui_process_dies(tiny_folder, tmp_path):
         from wanvace_core.parallel import ParallelOptions
         model = load_pipeline({str(tiny_folder)!r}, "fp32",
                               parallel=ParallelOptions(devices=("cpu", "cpu"), shard="none", cfg_parallel=True))
-        print("PIDS", *model.remote.workers.pids, flush=True)
+        print("PIDS", *(process.pid for process in model.remote.workers.processes), flush=True)
         os.kill(os.getpid(), 9)
         """
     )

@@ -1,5 +1,6 @@
-"""The runtime plan runs its steps in the order `EXPERT_STEPS` and `RUN_STEPS` list, and where that order matters,
-changing it breaks a run instead of silently dropping a step.
+"""The runtime plan runs its steps in the order `apply_plan` and `planned_run` write them, and where that order
+matters, the other order breaks a run instead of silently dropping a step (the tests run the steps, the plan's own
+private ones, in the other order).
 
 - `compiled_cache` after `cache`: the compiled forwards go onto the blocks cache-dit's functor patched. Before it,
   there is nothing to put them on; a run refuses rather than lose compile under the cache (tests/test_compile.py
@@ -11,6 +12,7 @@ changing it breaks a run instead of silently dropping a step.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -28,12 +30,14 @@ from wanvace_core import (
     replan,
     sample,
 )
+from wanvace_core.generation import sampling
 from wanvace_core.load.loaded import LoadedPipeline
 from wanvace_core.parallel import ParallelOptions
 from wanvace_core.parallel.groups import ParallelGroups
 from wanvace_core.parallel.sharding import meta_experts
 from wanvace_core.runtime import plan as runtime_plan
-from wanvace_core.runtime.interleave import execution_order
+from wanvace_core.runtime.interleave import apply_interleaved_vace, execution_order
+from wanvace_core.runtime.model import WanVACEModel
 from wanvace_core.runtime.plan import RankContext, build_model
 
 SETTINGS = SamplerSettings(seed=5, steps=2, cfg=5.0, cfg_low_noise=4.0)
@@ -48,7 +52,7 @@ def test_compile_before_the_cache_step_refuses_the_run(model, tiny_folder, monke
     cond = prepare_conditioning(model, VACEInputs(PROMPT, NEGATIVE, WIDTH, HEIGHT, LENGTH))
     replan(model, RuntimePlan(compile=True))
     try:
-        monkeypatch.setattr(runtime_plan, "RUN_STEPS", ("settle", "loras", "compiled_cache", "cache"))
+        monkeypatch.setattr(sampling, "planned_run", _compiled_before_the_cache)
         with pytest.raises(WanVACEInputError, match="cache-dit's WanVACE functor did not patch the blocks"):
             sample(model, cond, SETTINGS, cache=CacheOptions())
     finally:
@@ -60,32 +64,54 @@ def test_compile_before_the_cache_step_refuses_the_run(model, tiny_folder, monke
     )
 
 
-def _prefetch_against_the_run(rank: int, world: int, folder: str, expert_steps: tuple[str, ...]) -> dict:
-    """On a worker rank: the experts sharded through the plan with `expert_steps` as its order; per expert, the
-    blocks one forward ran, in order, and the block each one's FSDP unit prefetches."""
-    runtime_plan.EXPERT_STEPS = expert_steps  # this rank process only; the pool runs one task at a time
-    try:
-        options = ParallelOptions(devices=("cpu",) * world, shard="fsdp")
-        groups = ParallelGroups.create(options.layout, torch.device("cpu"))
-        whole = load_pipeline(folder, "fp32")  # its VAE and scheduler facts; the experts come from the files
-        built = meta_experts(Path(folder), torch.float32)
-        loaded = LoadedPipeline(
-            source=Path(folder),
-            dtype=torch.float32,
-            device=torch.device("cpu"),
-            tokenizer=None,
-            text_encoder=None,
-            vae=whole.vae,
-            transformer=built["transformer"][0],
-            transformer_2=built["transformer_2"][0],
-            scheduler_config=whole.scheduler_config,
-            boundary_ratio=whole.boundary_ratio,
-            weights=whole.weights,
-        )
-        sources = {name: shard_sources for name, (_, shard_sources) in built.items()}
-        model = build_model(loaded, RuntimePlan(parallel=options), "cpu", rank=RankContext(groups, sources))
-    finally:
-        runtime_plan.EXPERT_STEPS = EXPERT_STEPS
+@contextlib.contextmanager
+def _compiled_before_the_cache(model, cache=None, guidance=None):
+    """`planned_run`'s steps with the compiled forwards put on before cache-dit patches the blocks."""
+    with contextlib.ExitStack() as run:
+        run.enter_context(runtime_plan._settled_on_error(model))
+        run.enter_context(runtime_plan._compiled_under_the_cache(model, cache))
+        run.enter_context(cache)
+        yield
+
+
+def _sharded_before_interleaving(loaded, plan: RuntimePlan, rank: RankContext):
+    """`build_model` with FSDP applied before the interleaved forward is installed."""
+    model = WanVACEModel.from_loaded(loaded)
+    model.device = torch.device("cpu")
+    experts = runtime_plan._experts(model)
+    runtime_plan._apply_fsdp(model, experts, plan, rank)
+    for expert in experts.values():
+        apply_interleaved_vace(expert)
+    runtime_plan._apply_runtime(model, plan, rank, None, None)
+    return model
+
+
+def _prefetch_against_the_run(rank: int, world: int, folder: str, swapped: bool) -> dict:
+    """On a worker rank: the experts sharded through the plan (`swapped`: FSDP before the interleaved forward); per
+    expert, the blocks one forward ran, in order, and the block each one's FSDP unit prefetches."""
+    options = ParallelOptions(devices=("cpu",) * world, shard="fsdp")
+    groups = ParallelGroups.create(options.layout, torch.device("cpu"))
+    whole = load_pipeline(folder, "fp32")  # its VAE and scheduler facts; the experts come from the files
+    built = meta_experts(Path(folder), torch.float32)
+    loaded = LoadedPipeline(
+        source=Path(folder),
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        tokenizer=None,
+        text_encoder=None,
+        vae=whole.vae,
+        transformer=built["transformer"][0],
+        transformer_2=built["transformer_2"][0],
+        scheduler_config=whole.scheduler_config,
+        boundary_ratio=whole.boundary_ratio,
+        weights=whole.weights,
+    )
+    sources = {name: shard_sources for name, (_, shard_sources) in built.items()}
+    plan, context = RuntimePlan(parallel=options), RankContext(groups, sources)
+    if swapped:
+        model = _sharded_before_interleaving(loaded, plan, context)
+    else:
+        model = build_model(loaded, plan, "cpu", rank=context)
     found = []
     for expert in model.experts:
         names = {module: name for name, module in expert.named_modules()}
@@ -115,9 +141,6 @@ def _prefetch_against_the_run(rank: int, world: int, folder: str, expert_steps: 
     return {"experts": found}
 
 
-EXPERT_STEPS = runtime_plan.EXPERT_STEPS
-
-
 def _prefetch_follows_the_run(result: dict) -> bool:
     return all(
         expert["prefetched"][current] == [following]
@@ -127,14 +150,12 @@ def _prefetch_follows_the_run(result: dict) -> bool:
 
 
 def test_fsdp_prefetches_the_block_the_interleaved_forward_runs_next(rank_pools, tiny_folder):
-    listed, swapped = EXPERT_STEPS, ("fsdp", *[step for step in EXPERT_STEPS if step != "fsdp"])
-    assert listed.index("interleaved_vace") < listed.index("fsdp")
-    for result in rank_pools(2).run(_prefetch_against_the_run, str(tiny_folder), listed):
+    for result in rank_pools(2).run(_prefetch_against_the_run, str(tiny_folder), False):
         assert len(result["experts"]) == 2
         for expert in result["experts"]:
             # The interleaved forward ran: each VACE block right before the main block that takes its hint.
             assert expert["ran"] == expert["interleaved"], expert["ran"]
         assert _prefetch_follows_the_run(result), result
     # The same check fails when the plan shards before installing the interleaved forward.
-    for result in rank_pools(2).run(_prefetch_against_the_run, str(tiny_folder), swapped):
+    for result in rank_pools(2).run(_prefetch_against_the_run, str(tiny_folder), True):
         assert not _prefetch_follows_the_run(result), result

@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from tests.offload_probes import attach_offload, units_of
 from tests.original_release import wan_t5_state_dict, write_original_release
 from tests.single_files import (
     PREFIX,
@@ -39,8 +40,8 @@ from wanvace_core import (
     prepare_conditioning,
     sample,
 )
+from wanvace_core.load.original_release import find_original_folders, original_folder_files
 from wanvace_core.load.quantized import QuantizedLinear
-from wanvace_core.load.single_file import find_original_folders, original_folder_files
 from wanvace_core.load.tiny import COMFY_SHAPED, TinyModelSpec, sentencepiece_model_bytes
 from wanvace_core.runtime.offload import tensor_bytes
 
@@ -316,7 +317,7 @@ def test_kept_fp8_composes_with_every_offload_mode_and_unload(models_dir):
     for mode in ("model", "layerwise"):
         model = load_expert_files(files, "fp32", "auto", offload=OffloadOptions(mode=mode))
         if mode == "layerwise":
-            units = model.residency.units_of("transformer")
+            units = units_of(model.residency, "transformer")
             block = next(unit for unit in units if unit.name.endswith("blocks.0"))
             # The ring moves the stored fp8 bytes: a block's unit is its fp8 weights plus small float tensors.
             fp8_bytes = sum(
@@ -344,7 +345,6 @@ def test_kept_weights_stream_through_the_cuda_ring_as_stored_bytes(models_dir, f
     """The layerwise ring (simulated streams, tests/simulated_streams.py) stages the stored fp8/GGUF bytes:
     its slots are sized by the kept blocks, and the result equals the plain run bitwise."""
     from tests.simulated_streams import SimulatedStreamOps
-    from wanvace_core import attach_offload
     from wanvace_core.runtime.transfer import RingTransfer
 
     _root, written = models_dir

@@ -7,11 +7,11 @@ import dataclasses
 import pytest
 import torch
 
+from tests.offload_probes import attach_offload
 from tests.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH, build_task
 from wanvace_core import SamplerSettings, VACEInputs, WanVACEInputError, load_pipeline, prepare_conditioning, sample
 from wanvace_core.runtime.caching import CacheOptions, ExpertCacheLimits
 from wanvace_core.runtime.offload import OffloadOptions, SynchronousTransfer
-from wanvace_core.runtime.plan import attach_offload
 
 STEPS = 8
 SETTINGS = SamplerSettings(seed=11, steps=STEPS, cfg=4.0, cfg_low_noise=3.0)

@@ -30,7 +30,7 @@ from .runtime.loaders import load_expert_files, load_pipeline
 from .runtime.lora import LoraPatch, check_lora
 from .runtime.model import WanVACEModel
 from .runtime.offload import OFFLOAD_MODES, DeviceMemoryBroker, OffloadOptions, Residency
-from .runtime.plan import RuntimePlan, attach_offload, build_model, replan
+from .runtime.plan import RuntimePlan, build_model, replan
 
 __all__ = [
     "ATTENTION_BACKENDS",
@@ -62,7 +62,6 @@ __all__ = [
     "WanVACEInputError",
     "WanVACEModel",
     "WanVACEModelFolderError",
-    "attach_offload",
     "build_model",
     "check_lora",
     "decode",

@@ -54,7 +54,7 @@ from .generation.limits import SizeNames, check_size, size_limits_of_folder
 from .generation.schedules import timesteps_for
 from .generation.tasks import MODES, Outpaint, task_inputs
 from .generation.windows import check_schedule_with_cache
-from .load.folder import read_safetensors_header
+from .load.tensor_files import read_safetensors_header
 from .parallel import ParallelOptions
 
 logger = logging.getLogger("wanvace_core.generate")

@@ -56,7 +56,6 @@ from .parallel.sharding import meta_experts
 from .runtime.caching import CacheOptions
 from .runtime.lora import LoraPatch
 from .runtime.model import WanVACEModel
-from .runtime.offload import OffloadOptions
 from .runtime.plan import RankContext, RuntimePlan, build_model
 
 logger = logging.getLogger("wanvace_core.worker")
@@ -64,10 +63,6 @@ logger = logging.getLogger("wanvace_core.worker")
 
 class Cancelled(WanVACEError):
     """Rank 0 told every rank to stop at this step (the prompt was cancelled in ComfyUI)."""
-
-
-class CoordinatorGone(WanVACEError):
-    """The ComfyUI process closed the connection."""
 
 
 @dataclasses.dataclass
@@ -124,7 +119,8 @@ class Rank:
             raise
 
     def _load(self, request: dict) -> dict:
-        options = ParallelOptions.from_plain(request["options"])
+        plan = RuntimePlan.from_plain(request["plan"])
+        options = plan.parallel
         layout = options.layout
         branch, branch_rank = layout.branch_of(self.rank), layout.branch_rank(self.rank)
         self.sessions += 1
@@ -150,7 +146,6 @@ class Rank:
             )
             guidance = ParallelGuidance(branch, peers)
         groups = ParallelGroups.create(layout, self.device)
-        plan = RuntimePlan(offload=OffloadOptions(**request["offload"]), parallel=options, **request["runtime"])
         experts, shard_sources = self._read_experts(request, plan)
         loaded = LoadedPipeline(
             source=Path(request["source"]["path"]),

@@ -8,18 +8,17 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import WanVACEModelFolderError
+from .tensor_files import read_safetensors_header
 
 PIPELINE_CLASS = "WanVACEPipeline"
 WEIGHT_COMPONENTS = ("text_encoder", "vae", "transformer", "transformer_2")
 REQUIRED_COMPONENTS = ("text_encoder", "tokenizer", "vae", "scheduler")
 TRANSFORMER_COMPONENTS = ("transformer", "transformer_2")
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
-_SAFETENSORS_HEADER_LIMIT = 100 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -47,34 +46,6 @@ def _listed_components(model_index: dict) -> set[str]:
         for name, value in model_index.items()
         if not name.startswith("_") and isinstance(value, list) and len(value) == 2 and value[0] is not None
     }
-
-
-def read_safetensors_header(path: Path) -> tuple[int, dict]:
-    """The data start offset and the tensor entries of a safetensors file (metadata dropped)."""
-    remedy = "re-download or re-convert this file"
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as handle:
-            raw_length = handle.read(8)
-            if len(raw_length) < 8:
-                raise WanVACEModelFolderError(f"Weight file {path} is empty or truncated ({size} bytes); {remedy}.")
-            (header_length,) = struct.unpack("<Q", raw_length)
-            if header_length > min(size - 8, _SAFETENSORS_HEADER_LIMIT):
-                raise WanVACEModelFolderError(
-                    f"Weight file {path} has no valid safetensors header (claims {header_length} header bytes in a "
-                    f"{size}-byte file); {remedy}."
-                )
-            header = json.loads(handle.read(header_length))
-    except (OSError, ValueError) as error:
-        if isinstance(error, WanVACEModelFolderError):
-            raise
-        raise WanVACEModelFolderError(f"Cannot read weight file {path} as safetensors: {error}; {remedy}.") from error
-    header.pop("__metadata__", None)
-    if not isinstance(header, dict) or any(
-        not isinstance(entry, dict) or len(entry.get("data_offsets", ())) != 2 for entry in header.values()
-    ):
-        raise WanVACEModelFolderError(f"Weight file {path} has a malformed safetensors header; {remedy}.")
-    return 8 + header_length, header
 
 
 def check_safetensors_file(path: Path) -> None:

@@ -21,7 +21,6 @@ import importlib
 import json
 import logging
 import math
-import mmap
 from pathlib import Path
 
 import torch
@@ -29,36 +28,14 @@ from accelerate import init_empty_weights
 from safetensors import safe_open
 
 from ..errors import WanVACEModelFolderError
-from .folder import ComponentFiles, inspect_pipeline_folder, read_safetensors_header
+from .folder import ComponentFiles, inspect_pipeline_folder
 from .loaded import EXPERT_NAMES, LoadedPipeline
+from .tensor_files import SAFETENSORS_DTYPES, read_safetensors_header, set_tensor, stream_into
 
 logger = logging.getLogger(__name__)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _ALLOWED_LIBRARIES = {"diffusers", "transformers"}
-# Tensors that are cast or moved are read through mapped windows of the file of at most this many bytes.
-_WINDOW_BYTES = 64 * 1024 * 1024
-SAFETENSORS_DTYPES = {
-    name: getattr(torch, attr)
-    for name, attr in {
-        "F64": "float64",
-        "F32": "float32",
-        "F16": "float16",
-        "BF16": "bfloat16",
-        "F8_E4M3": "float8_e4m3fn",
-        "F8_E5M2": "float8_e5m2",
-        "I64": "int64",
-        "I32": "int32",
-        "I16": "int16",
-        "I8": "int8",
-        "U64": "uint64",
-        "U32": "uint32",
-        "U16": "uint16",
-        "U8": "uint8",
-        "BOOL": "bool",
-    }.items()
-    if hasattr(torch, attr)
-}
 
 
 def component_class(model_index: dict, name: str):
@@ -97,22 +74,6 @@ def build_on_meta(cls, folder: Path) -> torch.nn.Module:
         return cls(config_cls.from_pretrained(folder))
 
 
-def _owner(module: torch.nn.Module, key: str) -> tuple[torch.nn.Module, str]:
-    """The submodule holding state-dict entry `key`, and the entry's name there."""
-    owner_name, _, attr = key.rpartition(".")
-    return (module.get_submodule(owner_name) if owner_name else module), attr
-
-
-def set_tensor(module: torch.nn.Module, key: str, tensor: torch.Tensor) -> None:
-    """Puts `tensor` in place of the (meta) parameter or buffer `key`, keeping the parameter class."""
-    owner, attr = _owner(module, key)
-    if attr in owner._parameters:
-        old = owner._parameters[attr]
-        owner._parameters[attr] = type(old)(tensor, requires_grad=old.requires_grad)
-    else:
-        owner._buffers[attr] = tensor
-
-
 def meta_stand_in(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """`module` with meta parameters in `dtype`, for experts that live in parallel workers: it carries the config
     and `transformer_dtype` (what the conditioning is cast to) and costs no memory. Never run."""
@@ -120,48 +81,6 @@ def meta_stand_in(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Modul
         if param.is_floating_point():
             set_tensor(module, name, torch.empty_like(param, dtype=dtype, device="meta"))
     return module.eval().requires_grad_(False)
-
-
-def stream_into(
-    fileno: int,
-    offset: int,
-    nbytes: int,
-    source_dtype: torch.dtype,
-    target: torch.Tensor,
-    transform=None,
-    unit_bytes: int | None = None,
-    unit_elements: int = 1,
-    window_bytes: int = _WINDOW_BYTES,
-) -> None:
-    """Casts the `nbytes` at `offset` of the file into `target` (any dtype, device), one mapped window at a time.
-
-    Each window of at most `_WINDOW_BYTES` is mapped copy-on-write (never written), cast into its place in
-    `target` and unmapped again, so the file's pages never pile up in this process's RSS. `transform` turns a
-    window's stored values into target values (dequantisation): every `unit_bytes` stored bytes (default one
-    element) become `unit_elements` target elements, and windows hold whole units (`window_bytes` at most).
-    """
-    flat = target.view(-1)
-    itemsize = unit_bytes or source_dtype.itemsize
-    window = max(itemsize, window_bytes - window_bytes % itemsize)
-    done = 0
-    while done < nbytes:
-        size = min(window, nbytes - done)
-        start = offset + done
-        map_start = start - start % mmap.ALLOCATIONGRANULARITY
-        mapped = mmap.mmap(fileno, start + size - map_start, offset=map_start, access=mmap.ACCESS_COPY)
-        try:
-            count = size // source_dtype.itemsize
-            source = torch.frombuffer(mapped, dtype=source_dtype, count=count, offset=start - map_start)
-            try:
-                values = source if transform is None else transform(source)
-                first = done // itemsize * unit_elements
-                flat[first : first + values.numel()].copy_(values.reshape(-1))
-                del values
-            finally:
-                del source  # the mapping can only be closed once no tensor views it
-        finally:
-            mapped.close()
-        done += size
 
 
 def _load_file(module, path: Path, cls, placeholders: dict, fp32_names: set[str], dtype, device) -> None:
@@ -257,7 +176,7 @@ def finish_filling(module: torch.nn.Module, where: str, remedy: str) -> None:
         )
 
 
-def file_stamps(layout) -> dict[str, tuple[int, int]]:
+def folder_file_stamps(layout) -> dict[str, tuple[int, int]]:
     """(size, mtime) of every weight file of a pipeline folder, to tell later whether they changed."""
     stamps = {}
     for files in layout.components.values():
@@ -276,11 +195,11 @@ class FolderWeights:
     def __init__(self, layout, dtype: torch.dtype) -> None:
         self.layout = layout
         self.dtype = dtype
-        self.stamps = file_stamps(layout)
+        self.stamps = folder_file_stamps(layout)
 
     def refill(self, name: str, module: torch.nn.Module, device: torch.device) -> None:
         layout = inspect_pipeline_folder(self.layout.path, check_weights=False)
-        if file_stamps(layout) != self.stamps:
+        if folder_file_stamps(layout) != self.stamps:
             raise WanVACEModelFolderError(
                 f"The weight files in {self.layout.path} changed since this model was loaded, so its unloaded "
                 "weights cannot be read back; load the model again (re-run the loader, or change one of its inputs)."

@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 
 from ..errors import WanVACEModelFolderError
-from .folder import walk_model_folders
 from .loaded import EXPERT_NAMES, LoadedPipeline
-from .pipeline_folder import DTYPES, finish_filling, fp32_module_names, meta_stand_in, set_tensor
+from .pipeline_folder import DTYPES, finish_filling, fp32_module_names, meta_stand_in
 from .quantized import QuantizedLinear, WeightFormat, replace_linears
+from .tensor_files import set_tensor
 from .tokenizer import t5_tokenizer_from_sentencepiece
 from .wan_layouts import Layout, Source, expert_layout, umt5_layout, vae_layout
 from .weight_files import give_back_freed_heap, open_weight_file
@@ -196,10 +196,10 @@ class SingleFileWeights:
     def __init__(self, layouts: dict[str, Layout], placements: dict[str, dict]) -> None:
         self.layouts = layouts
         self.placements = placements
-        self.stamps = file_stamps(layouts)
+        self.stamps = expert_file_stamps(layouts)
 
     def refill(self, name: str, module: torch.nn.Module, device: torch.device) -> None:
-        if file_stamps(self.layouts) != self.stamps:
+        if expert_file_stamps(self.layouts) != self.stamps:
             raise WanVACEModelFolderError(
                 "A weight file of this model changed since it was loaded, so its unloaded weights cannot be read "
                 "back; load the model again (re-run the loader, or change one of its inputs)."
@@ -209,7 +209,7 @@ class SingleFileWeights:
         logger.info("Reloaded WanVACE weights of %s onto %s", self.layouts[name].description, device)
 
 
-def file_stamps(layouts: dict[str, Layout]) -> dict[str, tuple[int, int]]:
+def expert_file_stamps(layouts: dict[str, Layout]) -> dict[str, tuple[int, int]]:
     return {str(file.path): file.stamp for layout in layouts.values() for file in layout.files}
 
 
@@ -425,70 +425,3 @@ def resident_bytes(layouts: dict[str, Layout], dtype: str, weight_dtype: str) ->
             else:
                 total += math.prod(entry.shape) * (storage if len(entry.shape) == 2 else compute)
     return total
-
-
-# The original alibaba-pai/Wan2.2-VACE-Fun-A14B release (VideoX-Fun): expert folders named by noise level,
-# the Wan T5 and VAE as .pth, and the umt5 tokenizer.
-ORIGINAL_TEXT_ENCODER = "models_t5_umt5-xxl-enc-bf16.pth"
-ORIGINAL_VAE = "Wan2.1_VAE.pth"
-ORIGINAL_TOKENIZER = Path("google") / "umt5-xxl"
-
-
-def is_original_folder(path: str | Path) -> bool:
-    path = Path(path)
-    return (
-        (path / "high_noise_model").is_dir() and (path / "low_noise_model").is_dir() and (path / ORIGINAL_VAE).exists()
-    )
-
-
-def original_folder_files(path: str | Path, allow_pth: bool) -> ExpertFiles:
-    """The `ExpertFiles` of an original Wan2.2-VACE-Fun-A14B folder; its .pth files are read only with `allow_pth`."""
-    path = Path(path)
-    text_encoders = sorted(path.glob("models_t5_*.pth")) or [path / ORIGINAL_TEXT_ENCODER]
-    if not allow_pth:
-        raise WanVACEModelFolderError(
-            f"{path} is the original Wan2.2-VACE-Fun-A14B release, whose text encoder and VAE are .pth pickles "
-            f"({text_encoders[0].name}, {ORIGINAL_VAE}). Turn on allow_pth_weights to read them weights-only (only "
-            "for files from a source you trust), or use WanVACE Experts Loader with ComfyUI's umt5_xxl and "
-            "wan_2.1_vae safetensors over this folder's expert folders."
-        )
-    return ExpertFiles(
-        high_noise_model=path / "high_noise_model",
-        low_noise_model=path / "low_noise_model",
-        text_encoder=text_encoders[0],
-        vae=path / ORIGINAL_VAE,
-        tokenizer=path / ORIGINAL_TOKENIZER,
-        allow_pth=True,
-    )
-
-
-def find_original_folders(roots) -> list[str]:
-    """Names of sub-folders (relative to one of `roots`, linked folders included) that hold an original
-    Wan2.2-VACE-Fun release, sorted."""
-    return sorted(
-        {
-            name
-            for root, name, files in walk_model_folders(roots)
-            if name != "." and ORIGINAL_VAE in files and is_original_folder(root / name)
-        }
-    )
-
-
-def load_expert(
-    path: str | Path,
-    dtype: str = "bf16",
-    weight_dtype: str = "auto",
-    device: str | torch.device = "cpu",
-    vace_module: str | Path | None = None,
-    label: str = "high_noise_model",
-) -> torch.nn.Module:
-    """One expert (`WanVACETransformer3DModel`) from its file, loaded exactly as `load_expert_files` loads each."""
-    if dtype not in DTYPES or weight_dtype not in WEIGHT_DTYPES:
-        raise WanVACEModelFolderError(
-            f"dtype={dtype!r} / weight_dtype={weight_dtype!r}: choose dtype from {', '.join(DTYPES)} and "
-            f"weight_dtype from {', '.join(WEIGHT_DTYPES)}."
-        )
-    path = Path(path)
-    layout = expert_layout(_open_expert(path, False), _open_expert(vace_module, False), label, path.name)
-    module, _placements = _load(layout, DTYPES[dtype], weight_dtype, torch.device(device), True)
-    return module

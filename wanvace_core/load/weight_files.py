@@ -21,8 +21,7 @@ from pathlib import Path
 import torch
 
 from ..errors import WanVACEModelFolderError
-from .folder import read_safetensors_header
-from .pipeline_folder import SAFETENSORS_DTYPES, stream_into
+from .tensor_files import SAFETENSORS_DTYPES, read_safetensors_header, stream_into
 
 _REMEDY = "re-download or re-convert this file"
 _WINDOW_BYTES = 64 * 1024 * 1024

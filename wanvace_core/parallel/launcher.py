@@ -147,10 +147,6 @@ class LocalWorkers:
         for process in self.processes:
             process.wait()
 
-    @property
-    def pids(self) -> list[int]:
-        return [process.pid for process in self.processes]
-
 
 class RemoteExperts:
     """The experts of one loaded model, running in parallel workers. Not thread-safe (ComfyUI runs one prompt)."""
@@ -460,18 +456,16 @@ def _close_quietly(conn: Connection | None, workers: LocalWorkers | None, launch
         workers.stop()
 
 
-def remote_experts(model, options: ParallelOptions, offload, runtime: dict) -> RemoteExperts:
+def remote_experts(model, options: ParallelOptions, plan: dict) -> RemoteExperts:
     """The workers' side of `model` (its experts on meta here, `model.worker_source` saying where the workers read
-    them), checked against the model; not started yet. The workers apply `offload` (options) and `runtime` (the
-    runtime plan's other options, plain: attention, fp8_matmul, compile) to their experts."""
+    them), checked against the model; not started yet. `plan` is the runtime plan (`RuntimePlan.to_plain`) the
+    workers apply to their experts; `options` its parallel options."""
     options.check_heads(model.reference_expert.config.num_attention_heads)
     options.check_devices(torch.cuda.device_count() if options.device_type == "cuda" else 0)
     request = {
-        "options": messages.plain(options),
+        "plan": plan,
         "source": model.worker_source,
         "torch_dtype": str(model.dtype).removeprefix("torch."),
-        "offload": messages.plain(offload),
-        "runtime": runtime,
         "vae_config": dict(model.vae.config),
         "scheduler_config": dict(model.scheduler_config),
         "boundary_ratio": model.boundary_ratio,

@@ -52,9 +52,10 @@ from torch.distributed.tensor import DTensor, Shard
 from ..errors import WanVACEError, WanVACEInputError, WanVACEModelFolderError
 from ..load.folder import TRANSFORMER_COMPONENTS, ComponentFiles, inspect_pipeline_folder
 from ..load.loaded import block_lists_of
-from ..load.pipeline_folder import DTYPES, build_on_meta, component_class, fp32_module_names, set_tensor
+from ..load.pipeline_folder import DTYPES, build_on_meta, component_class, fp32_module_names
 from ..load.quantized import QuantizedLinear, WeightFormat, replace_linears
 from ..load.single_file import WEIGHT_DTYPES, ExpertFiles, inspect_expert_files, plan_placements
+from ..load.tensor_files import set_tensor
 from ..load.wan_layouts import Layout
 from ..load.weight_files import PickleWeightFile, StoredTensor, WeightFile, give_back_freed_heap, open_weight_file
 
@@ -396,24 +397,6 @@ def load_sharded_expert(
     _check_device(mesh, device)
     expert, sources = meta_expert(source, dtype=dtype, weight_dtype=weight_dtype)
     return shard_and_fill(expert, sources, mesh, device, cpu_offload)
-
-
-def load_sharded_experts(
-    source: str | Path | ExpertFiles,
-    dtype: torch.dtype | str,
-    mesh: DeviceMesh,
-    device: torch.device | str,
-    cpu_offload: bool = False,
-    *,
-    weight_dtype: str = "auto",
-) -> dict[str, nn.Module]:
-    """`load_sharded_expert` for each expert of a pipeline folder or of single files: {"transformer", ...}."""
-    device = torch.device(device)
-    _check_device(mesh, device)
-    return {
-        name: shard_and_fill(expert, sources, mesh, device, cpu_offload)
-        for name, (expert, sources) in meta_experts(source, dtype, weight_dtype=weight_dtype).items()
-    }
 
 
 def prefetch_in_order(expert: nn.Module, order: list[str]) -> None:

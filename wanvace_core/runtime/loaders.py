@@ -1,5 +1,6 @@
 """Loading a pipeline and making it runnable in one call: a loader from `load/` reads it, `plan.build_model`
-puts its runtime together (the nodes and most callers want both)."""
+puts its runtime together, and with parallel options the workers start and load their part (the nodes and most
+callers want all of it)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from ..errors import WanVACEInputError
 from ..load.loaded import EXPERT_NAMES
 from ..load.pipeline_folder import read_pipeline_folder
 from ..load.single_file import DEFAULT_BOUNDARY_RATIO, ExpertFiles, inspect_expert_files, read_expert_files
+from ..parallel.launcher import remote_experts
 from ..parallel.options import ParallelOptions
 from .attention import DEFAULT_ATTENTION
 from .model import WanVACEModel
@@ -26,21 +28,24 @@ def load_pipeline(
     parallel: ParallelOptions | None = None,
     attention: str = DEFAULT_ATTENTION,
     compile: bool = False,
+    *,
+    plan: RuntimePlan | None = None,
 ) -> WanVACEModel:
     """Loads a WanVACE pipeline folder (Wan2.2 two-expert or Wan2.1 single transformer).
 
-    Without `offload` (or with mode `none`) the weights go straight to `device`; with an offload mode they
-    stay in host memory (memory-mapped where the dtype matches the files) and move to `device` on demand.
-    With `parallel` the experts load in parallel workers, each rank its own part; this process keeps the text
-    encoder and VAE, the experts only as meta-device stand-ins carrying the config, and `offload` applies to
-    the text encoder and VAE here and to the experts in the workers. `attention` is the experts' attention kernel
-    (`runtime.attention.ATTENTION_BACKENDS`; refused if it cannot run on `device`). `compile` compiles each
-    block's forward with torch.compile (`runtime.regional_compile`).
+    How it runs is `plan` (the loader nodes build one), or for a script the plan's options one by one: without
+    `offload` (or with mode `none`) the weights go straight to `device`; with an offload mode they stay in host
+    memory (memory-mapped where the dtype matches the files) and move to `device` on demand. With `parallel` the
+    experts load in parallel workers, each rank its own part; this process keeps the text encoder and VAE, the
+    experts only as meta-device stand-ins carrying the config, and `offload` applies to the text encoder and VAE here
+    and to the experts in the workers. `attention` is the experts' attention kernel (`runtime.attention.
+    ATTENTION_BACKENDS`; refused if it cannot run on `device`). `compile` compiles each block's forward with
+    torch.compile (`runtime.regional_compile`).
     """
-    plan = RuntimePlan(offload=offload or OffloadOptions(), parallel=parallel, attention=attention, compile=compile)
+    plan = _plan_of(plan, offload=offload, parallel=parallel, attention=attention, compile=compile)
     plan.check(device)
-    loaded = read_pipeline_folder(path, dtype, plan.load_device(device), experts_on_meta=parallel is not None)
-    return build_model(loaded, plan, device)
+    loaded = read_pipeline_folder(path, dtype, plan.load_device(device), experts_on_meta=plan.parallel is not None)
+    return _runnable(loaded, plan, device)
 
 
 def load_expert_files(
@@ -54,23 +59,42 @@ def load_expert_files(
     attention: str = DEFAULT_ATTENTION,
     fp8_matmul: bool = False,
     compile: bool = False,
+    *,
+    plan: RuntimePlan | None = None,
 ) -> WanVACEModel:
-    """Loads a WanVACE pipeline from single files (see `ExpertFiles`); the options as `load_pipeline`, and
+    """Loads a WanVACE pipeline from single files (see `ExpertFiles`); the plan as `load_pipeline`, and its
     `fp8_matmul`: experts' weights kept in fp8 compute with fp8 matmul (`runtime.fp8_matmul`)."""
-    plan = RuntimePlan(
-        offload=offload or OffloadOptions(),
-        parallel=parallel,
-        attention=attention,
-        fp8_matmul=fp8_matmul,
-        compile=compile,
+    plan = _plan_of(
+        plan, offload=offload, parallel=parallel, attention=attention, fp8_matmul=fp8_matmul, compile=compile
     )
     plan.check(device)
-    if fp8_matmul:
+    if plan.fp8_matmul:
         refuse_fp8_matmul_without_fp8(files, weight_dtype)
     loaded = read_expert_files(
-        files, dtype, weight_dtype, boundary_ratio, plan.load_device(device), experts_on_meta=parallel is not None
+        files, dtype, weight_dtype, boundary_ratio, plan.load_device(device), experts_on_meta=plan.parallel is not None
     )
-    return build_model(loaded, plan, device)
+    return _runnable(loaded, plan, device)
+
+
+def _plan_of(plan: RuntimePlan | None, **options) -> RuntimePlan:
+    """`plan`, or the plan of `options` (each left out where it is None)."""
+    given = {name: value for name, value in options.items() if value is not None}
+    if plan is None:
+        return RuntimePlan(**given)
+    if any(value != getattr(RuntimePlan(), name) for name, value in given.items()):
+        raise WanVACEInputError(
+            f"a runtime plan and its options ({', '.join(sorted(given))}) were both given; give the plan alone."
+        )
+    return plan
+
+
+def _runnable(loaded, plan: RuntimePlan, device: str | torch.device) -> WanVACEModel:
+    """The model with its plan applied; with parallel options, its experts' workers started (they load them)."""
+    model = build_model(loaded, plan, device)
+    if plan.parallel is not None:
+        model.remote = remote_experts(model, plan.parallel, plan.to_plain())
+        model.remote.start()
+    return model
 
 
 def refuse_fp8_matmul_without_fp8(files: ExpertFiles, weight_dtype: str, layouts: dict | None = None) -> None:

@@ -406,13 +406,6 @@ class Offloader(Residency):
         in_flight = [streamer.units[name] for streamer in self.streamers.values() for name in streamer.resident]
         return total + self.transfer.device_bytes(in_flight)
 
-    def units_of(self, component: str) -> list[Unit]:
-        """Every unit that moves weights of `component` (its own, and its streamed blocks)."""
-        units = [self.units[component]] if component in self.units else []
-        if component in self.streamers:
-            units += self.streamers[component].units.values()
-        return units
-
 
 def make_transfer(
     options: OffloadOptions, device: torch.device | str, blocks: list[Unit], stream_ops: StreamOps | None = None

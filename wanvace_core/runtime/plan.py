@@ -1,7 +1,7 @@
 """The one place a loaded pipeline's runtime is put together: the same function in ComfyUI's process and on
 every parallel worker rank (torchtitan's `parallelize`, for a WanVACE pipeline).
 
-Per expert, always in this order (`EXPERT_STEPS`):
+Per expert, always in this order (`apply_plan`, in straight lines):
 
 1. `interleaved_vace`: the forward that runs VACE block k right before main block `vace_layers[k]`
    (`interleave.apply_interleaved_vace`). It replaces `forward`, so it comes first and everything below
@@ -21,14 +21,16 @@ Per expert, always in this order (`EXPERT_STEPS`):
    before put inside a block (fp8 matmul, the attention backend, and per run the LoRA hooks), while the hooks
    of (2)-(4) sit around the block's forward and stay eager.
 
-Then, in ComfyUI's process only, `workers`: with parallel options, the experts' workers are started here,
-and they run this same function on their side.
+Steps 1-3 are structural (they stay for as long as the experts are loaded); `replan` applies 4-7 again. With
+parallel options, ComfyUI's process keeps meta stand-ins of the experts and applies only 4, and the loader
+(`runtime.loaders`) starts the workers, which run this same function on their experts with the plan it sends them.
 
-Per sampling run, entered around `sample` in this order and left in reverse (`RUN_STEPS`), also on an
+Per sampling run, entered around `sample` in this order and left in reverse (`planned_run`), also on an
 error or a cancel: `settle` (weights back to their resting place if the run fails), `loras` (hooks added
-after the residency's, so a LoRA sees the weights the residency just bound), `cache` (cache-dit wraps the
-block lists the steps above prepared, for this run only), `compiled_cache` (with compile and cache both on:
-the blocks cache-dit patched run the compiled forward again).
+after the residency's, so a LoRA sees the weights the residency just bound), `guidance` (NAG, SLG and RIFLEx
+hooks inside the experts), `cache` (cache-dit wraps the block lists the steps above prepared, for this run
+only), `compiled_cache` (with compile and cache both on: the blocks cache-dit patched run the compiled forward
+again). On a parallel worker rank the same steps run, with the LoRAs the request carries.
 
 Every step attaches to the modules in one way (`wanvace_core.hooks`): torch module hooks, kept per step, and an
 instance forward where the step changes the computation (1, 5, 7).
@@ -50,7 +52,6 @@ import torch
 from ..errors import WanVACEInputError
 from ..load.loaded import EXPERT_NAMES, LoadedPipeline
 from ..parallel.groups import ParallelGroups
-from ..parallel.launcher import remote_experts
 from ..parallel.options import ParallelOptions
 from ..parallel.sequence import apply_ulysses
 from ..parallel.sharding import ShardSources, prefetch_in_order, shard_and_fill
@@ -64,13 +65,11 @@ from .regional_compile import apply_regional_compile, check_regional_compile, co
 
 logger = logging.getLogger(__name__)
 
-EXPERT_STEPS = ("interleaved_vace", "ulysses", "fsdp", "residency", "fp8_matmul", "attention", "compile")
-RUN_STEPS = ("settle", "loras", "guidance", "cache", "compiled_cache")
-
 
 @dataclass(frozen=True)
 class RuntimePlan:
-    """How a loaded pipeline runs; validated once, by its parts. `parallel` None runs the experts here."""
+    """How a loaded pipeline runs; validated once, by its parts. `parallel` None runs the experts here. Built once from
+    the loader's inputs, it travels to the parallel workers as itself (`to_plain` / `from_plain`)."""
 
     offload: OffloadOptions = field(default_factory=OffloadOptions)
     parallel: ParallelOptions | None = None
@@ -83,6 +82,21 @@ class RuntimePlan:
             raise WanVACEInputError(
                 f"attention={self.attention!r} is unknown; choose one of {', '.join(ATTENTION_BACKENDS)}."
             )
+
+    def to_plain(self) -> dict:
+        """The plan as plain values, for the workers' load request."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_plain(cls, fields: dict) -> RuntimePlan:
+        parallel = fields["parallel"]
+        return cls(
+            offload=OffloadOptions(**fields["offload"]),
+            parallel=None if parallel is None else ParallelOptions.from_plain(parallel),
+            attention=fields["attention"],
+            fp8_matmul=fields["fp8_matmul"],
+            compile=fields["compile"],
+        )
 
     def check(self, device: torch.device | str) -> None:
         """Refuses, before anything is read, a plan whose attention kernel cannot run where the experts will run:
@@ -126,69 +140,85 @@ def build_model(
     return model
 
 
-@dataclass
-class _Applying:
-    """What the steps of one `apply_plan` / `replan` call share."""
-
-    model: WanVACEModel
-    plan: RuntimePlan
-    rank: RankContext | None
-    transfer: Transfer | None
-    stream_ops: StreamOps | None
-
-    @property
-    def sharded(self) -> bool:
-        return self.rank is not None and self.plan.parallel is not None and self.plan.parallel.shard != "none"
-
-    @property
-    def experts_here(self) -> bool:
-        """False in ComfyUI's process with parallel workers: its experts are meta stand-ins, the workers apply these."""
-        return self.rank is not None or self.plan.parallel is None
-
-    def experts(self) -> Iterator[tuple[str, torch.nn.Module]]:
-        return ((name, expert) for name in EXPERT_NAMES if (expert := getattr(self.model, name)) is not None)
-
-
-def _step_interleaved_vace(applying: _Applying) -> None:
-    for _, expert in applying.experts():
+def apply_plan(
+    model: WanVACEModel,
+    plan: RuntimePlan,
+    *,
+    rank: RankContext | None = None,
+    transfer: Transfer | None = None,
+    stream_ops: StreamOps | None = None,
+) -> None:
+    """The structural steps (1-3), which change the experts' forward or sharding for as long as they are loaded, then
+    the runtime steps (4-7), which `replan` applies again over the same weights."""
+    experts = _experts(model)
+    for expert in experts.values():
         apply_interleaved_vace(expert)
+    if rank is not None and rank.groups.ulysses_group is not None:
+        for expert in experts.values():
+            apply_ulysses(expert, rank.groups.ulysses_group)
+    if _sharded(plan, rank):
+        _apply_fsdp(model, experts, plan, rank)
+    _apply_runtime(model, plan, rank, transfer, stream_ops)
 
 
-def _step_ulysses(applying: _Applying) -> None:
-    if applying.rank is not None and applying.rank.groups.ulysses_group is not None:
-        for _, expert in applying.experts():
-            apply_ulysses(expert, applying.rank.groups.ulysses_group)
+def replan(
+    model: WanVACEModel, plan: RuntimePlan, transfer: Transfer | None = None, *, stream_ops: StreamOps | None = None
+) -> None:
+    """Puts a loaded model (experts in this process) under another plan's runtime steps (offload, fp8 matmul,
+    attention, compile), over the weights already in memory; the structural steps stay as applied."""
+    _apply_runtime(model, plan, None, transfer, stream_ops)
 
 
-def _step_fsdp(applying: _Applying) -> None:
-    if not applying.sharded:
-        return
-    rank, model = applying.rank, applying.model
-    for name, expert in applying.experts():
-        cpu_offload = applying.plan.offload.mode != "none"
+def _apply_runtime(
+    model: WanVACEModel,
+    plan: RuntimePlan,
+    rank: RankContext | None,
+    transfer: Transfer | None,
+    stream_ops: StreamOps | None,
+) -> None:
+    _apply_residency(model, plan, rank, transfer, stream_ops)
+    # In ComfyUI's process with parallel workers the experts are meta stand-ins: the workers apply these.
+    if rank is not None or plan.parallel is None:
+        _apply_fp8_matmul(model, plan)
+        _apply_attention(model, plan)
+        _apply_compile(model, plan)
+    model.plan = plan
+
+
+def _experts(model: WanVACEModel) -> dict[str, torch.nn.Module]:
+    return {name: expert for name in EXPERT_NAMES if (expert := getattr(model, name)) is not None}
+
+
+def _sharded(plan: RuntimePlan, rank: RankContext | None) -> bool:
+    return rank is not None and plan.parallel is not None and plan.parallel.shard != "none"
+
+
+def _apply_fsdp(model: WanVACEModel, experts: dict, plan: RuntimePlan, rank: RankContext) -> None:
+    cpu_offload = plan.offload.mode != "none"
+    for name, expert in experts.items():
         shard_and_fill(expert, rank.shard_sources[name], rank.groups.shard_mesh, model.device, cpu_offload)
         prefetch_in_order(expert, current_execution_order(expert))
 
 
-def _step_residency(applying: _Applying) -> None:
-    model, plan = applying.model, applying.plan
+def _apply_residency(
+    model: WanVACEModel,
+    plan: RuntimePlan,
+    rank: RankContext | None,
+    transfer: Transfer | None,
+    stream_ops: StreamOps | None,
+) -> None:
     model.close_residency()  # the new residency must find the weights unhooked and off the ring
-    if applying.rank is None:
-        components = model.components
-    else:  # a worker holds only the experts; its VAE is a meta stand-in for the config
-        components = dict(applying.experts())
-    if applying.sharded:
+    # A worker holds only the experts; its VAE is a meta stand-in for the config.
+    components = model.components if rank is None else _experts(model)
+    if _sharded(plan, rank):
         model.residency = ShardedResidency(components)
     else:
         model.residency = make_residency(
-            plan.offload, components, model.weights, model.device, applying.transfer, stream_ops=applying.stream_ops
+            plan.offload, components, model.weights, model.device, transfer, stream_ops=stream_ops
         )
 
 
-def _step_fp8_matmul(applying: _Applying) -> None:
-    if not applying.experts_here:
-        return
-    model, plan = applying.model, applying.plan
+def _apply_fp8_matmul(model: WanVACEModel, plan: RuntimePlan) -> None:
     if plan.fp8_matmul:
         check_fp8_matmul(model.device)
     layers = sum(apply_fp8_matmul(expert, plan.fp8_matmul) for expert in model.experts)
@@ -201,20 +231,14 @@ def _step_fp8_matmul(applying: _Applying) -> None:
         logger.info("WanVACE fp8 matmul: %d layers", layers)
 
 
-def _step_attention(applying: _Applying) -> None:
-    if not applying.experts_here:
-        return
-    model, plan = applying.model, applying.plan
+def _apply_attention(model: WanVACEModel, plan: RuntimePlan) -> None:
     backend = resolve_attention(plan.attention, model.device)
     for expert in model.experts:
         apply_attention(expert, backend)
     logger.info("WanVACE attention: %s (chosen: %s)", backend, plan.attention)
 
 
-def _step_compile(applying: _Applying) -> None:
-    if not applying.experts_here:
-        return
-    model, plan = applying.model, applying.plan
+def _apply_compile(model: WanVACEModel, plan: RuntimePlan) -> None:
     if plan.compile:
         check_regional_compile(model.device)
     blocks = sum(apply_regional_compile(expert, plan.compile) for expert in model.experts)
@@ -222,88 +246,26 @@ def _step_compile(applying: _Applying) -> None:
         logger.info("WanVACE compile: %d blocks (torch.compile per block; each new size compiles once)", blocks)
 
 
-_EXPERT_STEP_FUNCTIONS = {
-    "interleaved_vace": _step_interleaved_vace,
-    "ulysses": _step_ulysses,
-    "fsdp": _step_fsdp,
-    "residency": _step_residency,
-    "fp8_matmul": _step_fp8_matmul,
-    "attention": _step_attention,
-    "compile": _step_compile,
-}
-# What `replan` re-applies over weights already in memory: the steps from here on (the ones before change the
-# experts' structure, sharding or forward, which a loaded model keeps).
-_REPLANNED_FROM = "residency"
-
-
-def apply_plan(
-    model: WanVACEModel,
-    plan: RuntimePlan,
-    *,
-    rank: RankContext | None = None,
-    transfer: Transfer | None = None,
-    stream_ops: StreamOps | None = None,
-) -> None:
-    """Applies `EXPERT_STEPS`, in that order, to `model`'s experts, then (in ComfyUI's process) starts its workers."""
-    applying = _Applying(model, plan, rank, transfer, stream_ops)
-    for step in EXPERT_STEPS:
-        _EXPERT_STEP_FUNCTIONS[step](applying)
-    model.plan = plan
-    if rank is None and plan.parallel is not None:
-        runtime = {"attention": plan.attention, "fp8_matmul": plan.fp8_matmul, "compile": plan.compile}
-        model.remote = remote_experts(model, plan.parallel, plan.offload, runtime)
-        model.remote.start()
-
-
-def replan(
-    model: WanVACEModel, plan: RuntimePlan, transfer: Transfer | None = None, *, stream_ops: StreamOps | None = None
-) -> None:
-    """Puts a loaded model (experts in this process) under another plan's steps from `residency` on (offload, fp8
-    matmul, attention, compile), over the weights already in memory; the steps before stay as applied."""
-    applying = _Applying(model, plan, None, transfer, stream_ops)
-    for step in EXPERT_STEPS[EXPERT_STEPS.index(_REPLANNED_FROM) :]:
-        _EXPERT_STEP_FUNCTIONS[step](applying)
-    model.plan = plan
-
-
-def attach_offload(
-    model: WanVACEModel,
-    options: OffloadOptions,
-    transfer: Transfer | None = None,
-    *,
-    stream_ops: StreamOps | None = None,
-) -> None:
-    """`replan` with new offload options only."""
-    current = model.plan if model.plan is not None else RuntimePlan()
-    replan(model, dataclasses.replace(current, offload=options), transfer, stream_ops=stream_ops)
-
-
 @contextlib.contextmanager
 def planned_run(model: WanVACEModel, cache=None, guidance=None) -> Iterator[None]:
-    """`RUN_STEPS` around one sampling run: entered in that order, left in reverse, also on an error or a cancel.
-
-    `cache` is the run's `caching.CachedExperts` (or None); `guidance` the run's hooks inside the experts
-    (`attention_guidance.attention_guidance`, or None), attached after the LoRAs and before the cache wraps the experts.
-    """
+    """The per-run steps around one sampling run, entered in this order and left in reverse, also on an error or a
+    cancel. `cache` is the run's `caching.CachedExperts` (or None); `guidance` the run's hooks inside the experts
+    (`attention_guidance.attention_guidance`, or None)."""
     with contextlib.ExitStack() as run:
-        for step in RUN_STEPS:
-            entered = _RUN_STEP_FUNCTIONS[step](model, cache, guidance)
-            if entered is not None:
-                run.enter_context(entered)
+        run.enter_context(_settled_on_error(model))
+        if model.loras:  # after the residency's hooks, so a LoRA sees the weights the residency just bound
+            run.enter_context(applied_loras(model, model.loras))
+        if guidance is not None:
+            run.enter_context(guidance)
+        if cache is not None:  # cache-dit wraps the block lists the steps above prepared, for this run only
+            run.enter_context(cache)
+            if model.plan is not None and model.plan.compile:
+                run.enter_context(_compiled_under_the_cache(model, cache))
         yield
 
 
-def _run_step_loras(model: WanVACEModel, cache, guidance):
-    return applied_loras(model, model.loras) if model.loras else None
-
-
-def _run_step_cache(model: WanVACEModel, cache, guidance):
-    return cache
-
-
-def _run_step_compiled_cache(model: WanVACEModel, cache, guidance):
-    if cache is None or model.plan is None or not model.plan.compile:
-        return None
+def _compiled_under_the_cache(model: WanVACEModel, cache):
+    """With compile and cache both on: the blocks cache-dit patched run the compiled forward again."""
     return compiled_cached_blocks([getattr(model, run.attribute) for run in cache.runs])
 
 
@@ -315,12 +277,3 @@ def _settled_on_error(model: WanVACEModel) -> Iterator[None]:
     except BaseException:
         model.residency.settle()
         raise
-
-
-_RUN_STEP_FUNCTIONS = {
-    "settle": lambda model, cache, guidance: _settled_on_error(model),
-    "loras": _run_step_loras,
-    "guidance": lambda model, cache, guidance: guidance,
-    "cache": _run_step_cache,
-    "compiled_cache": _run_step_compiled_cache,
-}

@@ -51,11 +51,6 @@ def compiled_forward(block_class: type[torch.nn.Module]):
     return forward
 
 
-def compiled_blocks(expert: torch.nn.Module) -> list[torch.nn.Module]:
-    """The blocks of `expert` whose forward is the compiled one right now."""
-    return [block for block in _blocks(expert) if _runs_compiled(block)]
-
-
 def _blocks(expert: torch.nn.Module) -> list[torch.nn.Module]:
     return [block for name in block_lists_of(expert) for block in getattr(expert, name)]
 

@@ -298,7 +298,7 @@ class RingTransfer:
         if unit.staged_nbytes > self.slot_bytes:
             raise WanVACEError(
                 f"{unit.name} needs {unit.staged_nbytes} bytes but offload slots hold {self.slot_bytes}; the ring "
-                "was sized for another model: attach the offload again (attach_offload) after changing the model."
+                "was sized for another model: re-plan the offload (runtime.plan.replan) after changing the model."
             )
         for step in range(self.capacity):
             slot = (self.next_slot + step) % self.capacity
