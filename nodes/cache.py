@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from comfy_api.v0_0_2 import io
 
-from ..wanvace_core import CACHE_MODES, CacheOptions, ExpertCacheLimits, WanVACEInputError
+from ..wanvace_core import CACHE_MODES, CacheOptions, ExpertCacheLimits
 from ..wanvace_core.validation import nan_refusing_min
+from .refusals import Refusal
 from .types import CATEGORY, WanVACECacheType
 
 
@@ -99,15 +100,11 @@ class WanVACECacheOptions(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, mode: str | None = None) -> bool | str:
-        # ComfyUI lists a refusal under every argument of validate_inputs and skips its own checks for them,
-        # so this takes only the combo that ComfyUI 0.3.75 does not check itself. The other inputs get
-        # ComfyUI's range check, which refuses NaN too (nan_refusing_min) and +-inf, under that input alone.
-        try:
+        # The combo alone; the numbers keep ComfyUI's range check.
+        with Refusal() as refusal:
             if mode is not None:
                 CacheOptions(mode=mode)
-        except WanVACEInputError as error:
-            return str(error)
-        return True
+        return refusal.message or True
 
     @staticmethod
     def options_from(

@@ -22,14 +22,12 @@ from ..wanvace_core.validation import nan_refusing_min, validate_range
 from .graph_checks import check_conditioning_size, check_frames_at_run
 from .memory import set_working_memory
 from .queued_prompt import this_node
-from .tiling import free_device_bytes, tiling_from_inputs, tiling_inputs, validate_tiling_inputs
+from .refusals import NOT_CONNECTED, Refusal
+from .tiling import check_tiling_inputs, free_device_bytes, tiling_from_inputs, tiling_inputs
 from .types import CATEGORY, WanVACEConditioningType, WanVACEModelType
 
 logger = logging.getLogger(__name__)
 
-# ComfyUI passes a connected input to validate_inputs as None (its value does not exist before the prompt runs)
-# and leaves an unconnected optional input out; this default tells the two apart.
-_NOT_CONNECTED = object()
 # The widgets' ranges, checked again in validate_inputs (whose arguments skip ComfyUI's range check).
 SIZE_RANGE = (16, 4096)
 LENGTH_RANGE = (1, 1025)
@@ -191,19 +189,16 @@ class WanVACEConditioning(io.ComfyNode):
         width: int | None = None,
         height: int | None = None,
         length: int | None = None,
-        positive_conditioning=_NOT_CONNECTED,
+        positive_conditioning=NOT_CONNECTED,
         vace_start_percent: float | None = None,
         vace_end_percent: float | None = None,
         tiled: str | None = None,
         tile_size: int | None = None,
         tile_overlap: int | None = None,
     ) -> bool | str:
-        # Only inputs with a rule ComfyUI cannot check: width/height multiples of 16 and length 4n+1 (with their
-        # ranges, which ComfyUI skips for arguments), the empty prompt (an unconnected positive_conditioning is not
-        # passed), the VACE window as a pair, and the tiling inputs. Floats such as strength stay out: ComfyUI's
-        # own range check refuses NaN (nan_refusing_min) and +-inf under that input alone. ComfyUI lists a refusal
-        # under every argument; each names its input first, and queued_prompt keeps the copy under that input.
-        try:
+        # Width and height (multiples of 16), length (4n+1), the empty prompt, the VACE window as a pair and the
+        # tiling inputs; strength keeps ComfyUI's range check.
+        with Refusal() as refusal:
             for name, value, bounds in (("width", width, SIZE_RANGE), ("height", height, SIZE_RANGE)):
                 if value is not None:
                     validate_range(name, value, *bounds)
@@ -212,23 +207,19 @@ class WanVACEConditioning(io.ComfyNode):
                 validate_range("length", length, *LENGTH_RANGE)
                 validate_length("length", length)
             if positive is not None:
-                validate_prompt(positive, has_embeddings=positive_conditioning is not _NOT_CONNECTED)
+                validate_prompt(positive, has_embeddings=positive_conditioning is not NOT_CONNECTED)
             if vace_start_percent is not None or vace_end_percent is not None:
                 # Both are named in a refusal: the window is wrong as a pair (start after end).
                 validate_vace_window(
                     0.0 if vace_start_percent is None else vace_start_percent,
                     1.0 if vace_end_percent is None else vace_end_percent,
                 )
-            tiling = validate_tiling_inputs(tiled, tile_size, tile_overlap)
-            if tiling is not True:
-                return tiling
+            check_tiling_inputs(tiled, tile_size, tile_overlap)
             # The size against the model the graph loads (its RoPE table), once the rules above hold.
             graph = this_node()
             if graph is not None:
                 check_conditioning_size(*graph)
-        except WanVACEInputError as error:
-            return str(error)
-        return True
+        return refusal.message or True
 
     @classmethod
     def execute(

@@ -15,7 +15,6 @@ from ..wanvace_core import (
     ExpertFiles,
     OffloadOptions,
     RuntimePlan,
-    WanVACEError,
     WanVACEInputError,
     WanVACEModel,
     inspect_expert_files,
@@ -30,6 +29,7 @@ from ..wanvace_core.validation import nan_refusing_min
 from .held import forget_last, forget_on_unload, hold, reusable
 from .memory import cooperate, make_room_before_loading
 from .model_files import list_weight_files, refuse_unlisted, resolve_listed_file, where_to_get
+from .refusals import Refusal
 from .runtime_inputs import attention_input, compile_input, fp8_matmul_input, runtime_refusal
 from .types import CATEGORY, WanVACEModelType, WanVACEOffloadType, WanVACEParallelType
 
@@ -231,13 +231,10 @@ class WanVACEExpertsLoader(io.ComfyNode):
         fp8_matmul: bool = False,
         compile: bool = False,
     ) -> bool | str:
-        # The files are checked together (headers only): whether they fit is a property of the set. Arguments of
-        # validate_inputs skip ComfyUI's own list checks, so names are checked against the lists here, and the
-        # dtypes too (ComfyUI 0.3.75 checks no V3 combo). Every file not there is named at once, with where to get
-        # it; each refusal names its input first (ComfyUI lists it under every argument, and queued_prompt keeps
-        # the copy under that input). attention, fp8_matmul and compile are probed on this device off the event
-        # loop (async): what cannot run here is refused at queue time.
-        try:
+        # The files together (headers only: whether they fit is a property of the set), every one not there named
+        # at once with where to get it, and the dtypes; attention, fp8_matmul and compile are probed on this device
+        # off the event loop (async).
+        with Refusal() as refusal:
             for name, value, options in (("dtype", dtype, DTYPES), ("weight_dtype", weight_dtype, WEIGHT_DTYPES)):
                 if value is not None and value not in options:
                     raise WanVACEInputError(f"{name}={value!r} is not supported; choose one of {', '.join(options)}.")
@@ -252,9 +249,7 @@ class WanVACEExpertsLoader(io.ComfyNode):
             _refuse_missing_files(chosen)
             if None not in (high_noise_model, low_noise_model, text_encoder, vae):
                 inspect_expert_files(_expert_files(**chosen))
-        except WanVACEError as error:
-            return str(error)
-        return await runtime_refusal(attention, compile, fp8_matmul) or True
+        return refusal.message or await runtime_refusal(attention, compile, fp8_matmul) or True
 
     @classmethod
     def execute(

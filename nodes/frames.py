@@ -20,12 +20,11 @@ from comfy_api.v0_0_2 import io
 from ..wanvace_core.errors import WanVACEInputError
 from ..wanvace_core.generation.tasks import Outpaint, task_inputs
 from .conditioning import LENGTH_RANGE, SIZE_RANGE
+from .refusals import NOT_CONNECTED
 from .types import CATEGORY
 
 PAD_RANGE = (0, 4096)
 CONTROL_USES = ("control", "keep")
-# ComfyUI passes a connected input to validate_inputs as None and leaves an unconnected optional one out.
-_NOT_CONNECTED = object()
 
 
 def _size_inputs(length_tooltip: str) -> list:
@@ -66,7 +65,7 @@ def _source_inputs() -> list:
 
 def _one_source(video, images) -> bool | str:
     """validate_inputs: exactly one of video and images is connected."""
-    connected = [name for name, value in (("video", video), ("images", images)) if value is not _NOT_CONNECTED]
+    connected = [name for name, value in (("video", video), ("images", images)) if value is not NOT_CONNECTED]
     if len(connected) != 1:
         return (
             "connect video (a LoadVideo) or images (a LoadImage or other frames), one of them"
@@ -126,7 +125,7 @@ class WanVACEControlVideo(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, video=_NOT_CONNECTED, images=_NOT_CONNECTED) -> bool | str:
+    def validate_inputs(cls, video=NOT_CONNECTED, images=NOT_CONNECTED) -> bool | str:
         return _one_source(video, images)
 
     @classmethod
@@ -212,7 +211,7 @@ class WanVACEOutpaintCanvas(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, video=_NOT_CONNECTED, images=_NOT_CONNECTED) -> bool | str:
+    def validate_inputs(cls, video=NOT_CONNECTED, images=NOT_CONNECTED) -> bool | str:
         return _one_source(video, images)
 
     @classmethod

@@ -11,6 +11,7 @@ from ..wanvace_core import WanVACEInputError
 from ..wanvace_core.generation.guidance import APGOptions, ExpertGuidance, GuidanceOptions
 from ..wanvace_core.runtime.attention_guidance import NAGOptions, SkipLayerOptions
 from ..wanvace_core.validation import nan_refusing_min
+from .refusals import Refusal, check_choice
 from .types import CATEGORY, WanVACEGuidanceType
 
 RULES = ("cfg", "cfg_zero_star", "apg", "tcfg")
@@ -18,8 +19,7 @@ EXPERTS = ("both", "high_noise", "low_noise")
 
 
 def expert_guidance(rule: str, zero_init_steps: int, apg_eta: float, apg_norm_threshold: float, apg_momentum: float):
-    if rule not in RULES:
-        raise WanVACEInputError(f"rule={rule!r} is unknown; choose one of {', '.join(RULES)}.")
+    check_choice("rule", rule, RULES)
     apg = APGOptions(apg_eta, apg_norm_threshold, apg_momentum) if rule == "apg" else None
     return ExpertGuidance(
         cfg_zero_star=rule == "cfg_zero_star", zero_init_steps=zero_init_steps, apg=apg, tcfg=rule == "tcfg"
@@ -168,23 +168,18 @@ class WanVACEGuidanceOptions(io.ComfyNode):
         slg_start_percent: float | None = None,
         slg_end_percent: float | None = None,
     ) -> bool | str:
-        # The combos ComfyUI 0.3.75 does not check on V3 nodes, and SLG's text and range; the other numbers get
-        # ComfyUI's range check.
-        if rule is not None and rule not in RULES:
-            return f"rule={rule!r} is unknown; choose one of {', '.join(RULES)}."
-        if experts is not None and experts not in EXPERTS:
-            return f"experts={experts!r} is unknown; choose one of {', '.join(EXPERTS)}."
-        # SLG's percents are arguments here (their order is checked across both), so ComfyUI skips its own range
-        # check of them: both bounds, and NaN, are checked here.
-        for name, value in (("slg_start_percent", slg_start_percent), ("slg_end_percent", slg_end_percent)):
-            if value is not None and not 0.0 <= value <= 1.0:
-                return f"{name}={value} must lie in [0, 1] (a fraction of the run's steps)."
-        if slg_blocks is not None and slg_start_percent is not None and slg_end_percent is not None:
-            try:
+        # The combos and SLG's text and percents (their order is checked across both, so both bounds and NaN are
+        # checked here); the other numbers keep ComfyUI's range check.
+        with Refusal() as refusal:
+            for name, value, choices in (("rule", rule, RULES), ("experts", experts, EXPERTS)):
+                if value is not None:
+                    check_choice(name, value, choices)
+            for name, value in (("slg_start_percent", slg_start_percent), ("slg_end_percent", slg_end_percent)):
+                if value is not None and not 0.0 <= value <= 1.0:
+                    raise WanVACEInputError(f"{name}={value} must lie in [0, 1] (a fraction of the run's steps).")
+            if slg_blocks is not None and slg_start_percent is not None and slg_end_percent is not None:
                 skip_layers(slg_blocks, slg_start_percent, slg_end_percent)
-            except WanVACEInputError as error:
-                return str(error)
-        return True
+        return refusal.message or True
 
     @classmethod
     def execute(

@@ -35,6 +35,7 @@ from .experts_loader import load_held_experts
 from .held import forget_last, forget_on_unload, hold, reusable
 from .memory import cooperate, make_room_before_loading
 from .model_files import folder_roots, resolve_listed_folder
+from .refusals import Refusal
 from .runtime_inputs import attention_input, compile_input, runtime_refusal
 from .types import CATEGORY, WanVACEModelType, WanVACEOffloadType, WanVACEParallelType
 
@@ -132,12 +133,9 @@ class WanVACEModelLoader(io.ComfyNode):
         attention: str = DEFAULT_ATTENTION,
         compile: bool = False,
     ) -> bool | str:
-        # Arguments of validate_inputs skip ComfyUI's own list checks, so model_name is checked against the listed
-        # folders here, and dtype (whose list ComfyUI 0.3.75 does not check on V3 nodes) too; the pickle opt-in is an
-        # argument because whether a folder loads depends on it. attention and compile are probed on this device off
-        # the event loop (async): a kernel that cannot run here is refused at queue time. Each refusal names its
-        # input first: ComfyUI lists it under every argument, and queued_prompt keeps the copy under that input.
-        try:
+        # model_name against the listed folders (whether a folder loads depends on the pickle opt-in) and dtype;
+        # attention and compile are probed on this device off the event loop (async).
+        with Refusal() as refusal:
             if dtype is not None and dtype not in DTYPES:
                 raise WanVACEInputError(f"dtype={dtype!r} is not supported; choose one of {', '.join(DTYPES)}.")
             if model_name is not None:
@@ -152,9 +150,7 @@ class WanVACEModelLoader(io.ComfyNode):
                     raise WanVACEInputError(
                         message if message.startswith("model_name") else f"model_name={model_name!r}: {message}"
                     ) from error
-        except WanVACEError as error:
-            return str(error)
-        return await runtime_refusal(attention, compile) or True
+        return refusal.message or await runtime_refusal(attention, compile) or True
 
     @classmethod
     def execute(

@@ -13,6 +13,7 @@ from ..wanvace_core.validation import nan_refusing_min
 from .graph_checks import check_lora_in_graph
 from .model_files import resolve_listed_file
 from .queued_prompt import this_node
+from .refusals import Refusal
 from .types import CATEGORY, WanVACEModelType
 
 LORA_FOLDER = "loras"
@@ -73,18 +74,15 @@ class WanVACELoraLoader(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, lora_name: str | None = None, merge: bool | None = None) -> bool | str:
-        # Only a listed name: ComfyUI 0.3.75 checks no V3 combo against its list. The file is read against the
-        # model when the node runs (the model is not known here); a merge over experts sharded across parallel
-        # workers is refused from the graph.
-        try:
+        # A listed name (the file is read against the model when the node runs), and a merge over experts sharded
+        # across parallel workers, from the graph.
+        with Refusal() as refusal:
             if lora_name is not None:
                 _lora_path(lora_name)
             graph = this_node()
             if graph is not None:
                 check_lora_in_graph(graph[0], graph[2], merge)
-        except WanVACEInputError as error:
-            return str(error)
-        return True
+        return refusal.message or True
 
     @classmethod
     def execute(

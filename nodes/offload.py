@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from comfy_api.v0_0_2 import io
 
-from ..wanvace_core import OFFLOAD_MODES, OffloadOptions, WanVACEInputError
+from ..wanvace_core import OFFLOAD_MODES, OffloadOptions
+from .refusals import Refusal
 from .types import CATEGORY, WanVACEOffloadType
 
 
@@ -53,12 +54,10 @@ class WanVACEOffloadOptions(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, mode: str = "model") -> bool | str:
-        # One argument only: ComfyUI lists a refusal under every argument, and range-checks the others itself.
-        try:
+        # The combo alone; the numbers keep ComfyUI's range check.
+        with Refusal() as refusal:
             OffloadOptions(mode=mode)
-        except WanVACEInputError as error:
-            return str(error)
-        return True
+        return refusal.message or True
 
     @classmethod
     def execute(cls, mode: str, prefetch_blocks: int, max_pinned_mb: int) -> io.NodeOutput:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from comfy_api.v0_0_2 import io
 
-from ..wanvace_core import WanVACEInputError
 from ..wanvace_core.parallel import DEFAULT_ENDPOINT, LAUNCHERS, SHARD_MODES, ParallelOptions
 from ..wanvace_core.validation import nan_refusing_min, validate_range
+from .refusals import Refusal
 from .types import CATEGORY, WanVACEParallelType
 
 # The widgets' range for replicate_size and ulysses_degree, checked again in validate_inputs (whose arguments skip
@@ -131,16 +131,13 @@ class WanVACEParallelOptions(io.ComfyNode):
         launcher: str = "local",
         endpoint: str = DEFAULT_ENDPOINT,
     ) -> bool | str:
-        # ComfyUI lists a refusal under every argument and skips its own checks for them: these are the inputs the
-        # device-count checks combine (launcher decides whether endpoint matters). timeout_s gets ComfyUI's range
-        # check, which refuses NaN too (nan_refusing_min), under that input alone.
-        try:
+        # The inputs the device-count checks combine (launcher decides whether endpoint matters); timeout_s keeps
+        # ComfyUI's range check.
+        with Refusal() as refusal:
             parallel_options(devices, shard, replicate_size, ulysses_degree, cfg_parallel, launcher, endpoint)
             validate_range("replicate_size", replicate_size, *DEGREE_RANGE)
             validate_range("ulysses_degree", ulysses_degree, *DEGREE_RANGE)
-        except WanVACEInputError as error:
-            return str(error)
-        return True
+        return refusal.message or True
 
     @classmethod
     def execute(

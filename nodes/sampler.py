@@ -7,7 +7,7 @@ import logging
 import comfy.model_management
 from comfy_api.v0_0_2 import io
 
-from ..wanvace_core import SCHEDULERS, SamplerSettings, WanVACEInputError, sample, to_vae_space
+from ..wanvace_core import SCHEDULERS, SamplerSettings, sample, to_vae_space
 from ..wanvace_core.generation.budget import (
     BATCHED_CFG_MODES,
     batched_cfg_decision,
@@ -21,6 +21,7 @@ from ..wanvace_core.validation import nan_refusing_min
 from .comfy_sampling import stepper_for
 from .memory import free_device_memory, set_working_memory
 from .preview import step_previewer
+from .refusals import Refusal
 from .types import (
     CATEGORY,
     WanVACECacheType,
@@ -146,17 +147,13 @@ class WanVACESampler(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, scheduler: str | None = None, batched_cfg: str | None = None) -> bool | str:
-        # Only the combos ComfyUI 0.3.75 does not check on V3 nodes (0.33 does, but skips its check for arguments
-        # of validate_inputs, so they are checked here for both). The floats get ComfyUI's range check, which
-        # refuses NaN too (nan_refusing_min) and +-inf, under that input alone. Each refusal names its input first.
-        try:
+        # The combos alone; the numbers keep ComfyUI's range check.
+        with Refusal() as refusal:
             if scheduler is not None:
                 validate_scheduler(scheduler)
             if batched_cfg is not None:
                 validate_batched_cfg(batched_cfg)
-        except WanVACEInputError as error:
-            return str(error)
-        return True
+        return refusal.message or True
 
     @classmethod
     def execute(

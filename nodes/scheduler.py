@@ -10,6 +10,7 @@ from ..wanvace_core.errors import WanVACEInputError
 from ..wanvace_core.runtime.model import default_shift
 from ..wanvace_core.validation import nan_refusing_min
 from .comfy_sampling import flow_model_sampling
+from .refusals import Refusal, check_choice
 from .types import CATEGORY, WanVACEModelType
 
 
@@ -60,10 +61,10 @@ class WanVACEScheduler(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, scheduler: str | None = None) -> bool | str:
-        # ComfyUI 0.3.75 does not check a V3 node's combo itself.
-        if scheduler is not None and scheduler not in comfy.samplers.SCHEDULER_NAMES:
-            return f"scheduler={scheduler!r} is unknown; choose one of {', '.join(comfy.samplers.SCHEDULER_NAMES)}."
-        return True
+        with Refusal() as refusal:
+            if scheduler is not None:
+                check_choice("scheduler", scheduler, comfy.samplers.SCHEDULER_NAMES)
+        return refusal.message or True
 
     @classmethod
     def execute(cls, model, scheduler: str, steps: int, shift: float, denoise: float) -> io.NodeOutput:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from comfy_api.v0_0_2 import io
 
-from ..wanvace_core import WanVACEInputError
 from ..wanvace_core.generation.tiling import TILING_MODES, VAETiling
 from ..wanvace_core.validation import validate_range
 from .memory import free_device_memory
@@ -13,7 +12,7 @@ _DEFAULT = VAETiling()
 # Optional, so that prompts saved before these inputs existed (API prompts carry no value for them, and
 # ComfyUI refuses a missing required input) still run, with the defaults.
 TILED, TILE_SIZE, TILE_OVERLAP = "tiled", "tile_size", "tile_overlap"
-# The widgets' ranges, checked again in validate_tiling_inputs (validate_inputs arguments skip ComfyUI's check).
+# The widgets' ranges, checked again in check_tiling_inputs (validate_inputs arguments skip ComfyUI's check).
 TILE_SIZE_RANGE = (64, 4096)
 TILE_OVERLAP_RANGE = (0, 4088)
 
@@ -62,23 +61,19 @@ def tiling_from_inputs(
     return VAETiling(mode=tiled, tile_size=tile_size, overlap=tile_overlap)
 
 
-def validate_tiling_inputs(tiled=None, tile_size=None, tile_overlap=None) -> bool | str:
-    """For a node's `validate_inputs`: True, or the refusal.
+def check_tiling_inputs(tiled=None, tile_size=None, tile_overlap=None) -> None:
+    """For a node's `validate_inputs`: raises `WanVACEInputError` naming the input.
 
     None is an input linked (its value unknown until the prompt runs) or left out: the other is checked against the
     value that refuses none of it (the largest tile, no overlap), not against the default; the node checks again when
     it runs."""
-    try:
-        tiling = tiling_from_inputs(
-            _DEFAULT.mode if tiled is None else tiled,
-            TILE_SIZE_RANGE[1] if tile_size is None else tile_size,
-            TILE_OVERLAP_RANGE[0] if tile_overlap is None else tile_overlap,
-        )
-        validate_range(TILE_SIZE, tiling.tile_size, *TILE_SIZE_RANGE)
-        validate_range(TILE_OVERLAP, tiling.overlap, *TILE_OVERLAP_RANGE)
-    except WanVACEInputError as error:
-        return str(error)
-    return True
+    tiling = tiling_from_inputs(
+        _DEFAULT.mode if tiled is None else tiled,
+        TILE_SIZE_RANGE[1] if tile_size is None else tile_size,
+        TILE_OVERLAP_RANGE[0] if tile_overlap is None else tile_overlap,
+    )
+    validate_range(TILE_SIZE, tiling.tile_size, *TILE_SIZE_RANGE)
+    validate_range(TILE_OVERLAP, tiling.overlap, *TILE_OVERLAP_RANGE)
 
 
 def free_device_bytes(model) -> int:

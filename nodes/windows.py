@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from comfy_api.v0_0_2 import io
 
-from ..wanvace_core import FUSE_METHODS, SCHEDULES, ContextWindowOptions, WanVACEInputError
+from ..wanvace_core import FUSE_METHODS, SCHEDULES, ContextWindowOptions
 from ..wanvace_core.validation import validate_range
 from .graph_checks import check_windows_in_graph
 from .queued_prompt import this_node
+from .refusals import Refusal
 from .types import CATEGORY, WanVACEContextWindowsType
 
 _DEFAULTS = ContextWindowOptions()
@@ -99,19 +100,17 @@ class WanVACEContextWindows(io.ComfyNode):
         schedule: str | None = None,
         fuse_method: str | None = None,
     ) -> bool | str:
-        # Only the inputs with a rule ComfyUI cannot check (4n+1, multiples of 4, overlap below the length, with their
-        # ranges, which ComfyUI skips for arguments) and the combos ComfyUI 0.3.75 does not check; context_stride
-        # gets ComfyUI's own range check. Each refusal names its input first (queued_prompt keeps that copy). Then
-        # the settings against the samplers they feed: the cache's schedule, the model's frames per call.
-        try:
+        # The 4n+1 length and the overlap (with their ranges) and the combos; context_stride keeps ComfyUI's range
+        # check. Then the settings against the samplers they feed: the cache's schedule, the model's frames per call.
+        with Refusal() as refusal:
             for name, value, bounds in (
                 ("context_length", context_length, LENGTH_RANGE),
                 ("context_overlap", context_overlap, OVERLAP_RANGE),
             ):
                 if value is not None:
                     validate_range(name, value, *bounds)
-            # A linked input arrives as None, its value unknown until the prompt runs: the other one is checked
-            # against the value that refuses none of it (the longest window, no overlap), not against the default.
+            # A linked input arrives as None: the other one is checked against the value that refuses none of it
+            # (the longest window, no overlap), not against the default.
             options = ContextWindowOptions(
                 context_length=LENGTH_RANGE[1] if context_length is None else context_length,
                 context_overlap=OVERLAP_RANGE[0] if context_overlap is None else context_overlap,
@@ -121,9 +120,7 @@ class WanVACEContextWindows(io.ComfyNode):
             graph = this_node()
             if graph is not None and None not in (context_length, context_overlap):
                 check_windows_in_graph(graph[0], graph[1], options)
-        except WanVACEInputError as error:
-            return str(error)
-        return True
+        return refusal.message or True
 
     @classmethod
     def execute(
