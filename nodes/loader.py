@@ -85,38 +85,29 @@ class WanVACEModelLoader(io.ComfyNode):
                 io.Combo.Input(
                     "model_name",
                     options=list_model_folders(),
-                    tooltip="A pipeline folder under models/diffusers: a diffusers one (model_index.json naming "
-                    "WanVACEPipeline, e.g. Wan2.2-VACE-Fun-A14B-Diffusers) or the original Wan2.2-VACE-Fun-A14B "
-                    "release (high_noise_model/, low_noise_model/, Wan2.1_VAE.pth).",
+                    tooltip="A pipeline folder under models/diffusers: a diffusers one, or the original release.",
                 ),
                 io.Combo.Input(
                     "dtype",
                     options=list(DTYPES),
                     default="bf16",
-                    tooltip="Weight and compute dtype. bf16 is what the model was trained in; fp32 doubles memory; "
-                    "fp16 may overflow. Norms and time embeddings stay fp32 as diffusers keeps them.",
+                    tooltip="Weight and compute dtype; bf16 is what the model was trained in.",
                 ),
                 io.Boolean.Input(
                     "allow_pth_weights",
                     default=False,
                     optional=True,
-                    tooltip="Only the original alibaba-pai release needs this: its text encoder and VAE are .pth "
-                    "pickles. On: they are read with torch.load(weights_only=True), which refuses code objects but "
-                    "still parses the pickle, so only turn it on for files from a source you trust. Off: such folders "
-                    "are refused; diffusers folders and safetensors never need it.",
+                    tooltip="Read the original release's .pth pickles (turn on only for files from a trusted source).",
                 ),
                 WanVACEOffloadType.Input(
                     "offload",
                     optional=True,
-                    tooltip="From WanVACE Offload Options; unconnected = everything on the GPU (ComfyUI's "
-                    "'Unload models' then drops the weights and the next prompt reads them back from disk). "
-                    "Changing only these options re-attaches to the weights already loaded.",
+                    tooltip="From WanVACE Offload Options; unconnected = everything on the GPU.",
                 ),
                 WanVACEParallelType.Input(
                     "parallel",
                     optional=True,
-                    tooltip="From WanVACE Parallel Options: the experts load and run in worker processes across "
-                    "devices or machines, each rank reading only its part. Unconnected = this process, one device.",
+                    tooltip="From WanVACE Parallel Options: the experts run in worker processes; unconnected = here.",
                 ),
                 attention_input(),
                 compile_input(),

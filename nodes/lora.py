@@ -31,8 +31,7 @@ def _strength_input(name: str, expert: str) -> io.Float.Input:
         min=nan_refusing_min(-STRENGTH_RANGE),
         max=STRENGTH_RANGE,
         step=0.01,
-        tooltip=f"How strongly the LoRA changes the {expert} expert; 0 leaves that expert untouched. Distillation "
-        "LoRAs (Lightning, lightx2v) use 1.0 on the expert their file was made for.",
+        tooltip=f"How strongly the LoRA changes the {expert} expert (0 leaves it untouched).",
     )
 
 
@@ -46,25 +45,22 @@ class WanVACELoraLoader(io.ComfyNode):
             description=(
                 "Adds a LoRA to the experts for the sampling runs of the model it outputs; chain several. The loaded "
                 "weights are not changed: a branch that uses the input model directly samples without this LoRA. "
-                "Reads ComfyUI/kohya (lora_up/lora_down), PEFT/diffusers (lora_A/lora_B) and lightx2v (diff, diff_b) "
-                "files. Wan2.2 LoRAs usually come as a high-noise and a low-noise file: load each with a strength on "
-                "its own expert and 0 on the other."
+                "Wan2.2 LoRAs usually come as a high-noise and a low-noise file: load each with a strength on its own "
+                "expert and 0 on the other."
             ),
             inputs=[
                 WanVACEModelType.Input("model", tooltip="The pipeline (or the output of another WanVACE LoRA Loader)."),
                 io.Combo.Input(
                     "lora_name",
                     options=folder_paths.get_filename_list(LORA_FOLDER),
-                    tooltip="A LoRA file in ComfyUI's models/loras folder, made for Wan2.1/2.2 14B (VACE or T2V).",
+                    tooltip="A LoRA file from models/loras, made for Wan2.1/2.2 14B (VACE or T2V).",
                 ),
                 _strength_input("strength_high_noise", "high-noise (transformer)"),
                 _strength_input("strength_low_noise", "low-noise (transformer_2)"),
                 io.Boolean.Input(
                     "merge",
                     default=False,
-                    tooltip="Off: the LoRA runs beside the weights (works with every offload mode and with fp8/GGUF "
-                    "weights kept quantised). On: merged into the weights for each run and restored exactly after; "
-                    "faster steps, needs offload none and plain float weights, and a host copy of the changed weights.",
+                    tooltip="Merge into the weights for each run: faster steps; needs offload none and float weights.",
                 ),
             ],
             outputs=[

@@ -7,6 +7,7 @@ from comfy_api.v0_0_2 import io
 from ..wanvace_core import FUSE_METHODS, SCHEDULES, ContextWindowOptions
 from ..wanvace_core.validation import validate_range
 from .graph_checks import check_windows_in_graph
+from .inputs import int_input
 from .queued_prompt import this_node
 from .refusals import Refusal
 from .types import CATEGORY, WanVACEContextWindowsType
@@ -27,44 +28,36 @@ class WanVACEContextWindows(io.ComfyNode):
             category=CATEGORY,
             description=(
                 "Denoises a video longer than one window as overlapping windows at every step, fused frame by frame: "
-                "activation memory follows the window, not the video. Each window gets its slice of the control "
-                "video and masks, and every window gets the reference images. A video no longer than one window "
-                "runs exactly as without this node. Connect to WanVACESampler's context_windows input."
+                "activation memory follows the window, not the video. Connect to WanVACESampler's context_windows "
+                "input."
             ),
             inputs=[
-                io.Int.Input(
+                int_input(
                     "context_length",
-                    default=_DEFAULTS.context_length,
-                    min=LENGTH_RANGE[0],
-                    max=LENGTH_RANGE[1],
+                    _DEFAULTS.context_length,
+                    LENGTH_RANGE,
+                    "Frames per window, 4n+1 (81 is what Wan2.2 was trained on).",
                     step=4,
-                    tooltip="Frames per window, 4n+1 (81 is what Wan2.2 was trained on).",
                 ),
-                io.Int.Input(
+                int_input(
                     "context_overlap",
-                    default=_DEFAULTS.context_overlap,
-                    min=OVERLAP_RANGE[0],
-                    max=OVERLAP_RANGE[1],
+                    _DEFAULTS.context_overlap,
+                    OVERLAP_RANGE,
+                    "Frames neighbouring windows share, a multiple of 4 (16-32): more hides seams, costs windows.",
                     step=4,
-                    tooltip="Frames neighbouring windows share, a multiple of 4; more blends seams better and costs "
-                    "more windows (16-32 is typical).",
                 ),
                 io.Combo.Input(
                     "schedule",
                     options=list(SCHEDULES),
                     default=_DEFAULTS.schedule,
-                    tooltip="standard_static: the same windows every step. standard_uniform: windows move every step "
-                    "so seams fall in different places, none wraps around. looped_uniform: like standard_uniform, "
-                    "but windows wrap from the last frames to the first (for looping videos). With the sampler's "
-                    "cache use standard_static: each window then caches on its own.",
+                    tooltip="Where the windows lie at each step: fixed (static), moving (uniform) or also wrapping "
+                    "around (looped); the cache needs standard_static.",
                 ),
-                io.Int.Input(
+                int_input(
                     "context_stride",
-                    default=_DEFAULTS.context_stride,
-                    min=STRIDE_RANGE[0],
-                    max=STRIDE_RANGE[1],
-                    tooltip="Uniform schedules: also windows over every 2nd, 4th, ... frame, up to this many levels. "
-                    "1 (the usual) turns that off.",
+                    _DEFAULTS.context_stride,
+                    STRIDE_RANGE,
+                    "Uniform schedules: also windows over every 2nd, 4th, ... frame, up to this many levels (1 = off).",
                 ),
                 io.Boolean.Input(
                     "closed_loop",
@@ -75,14 +68,12 @@ class WanVACEContextWindows(io.ComfyNode):
                     "fuse_method",
                     options=list(FUSE_METHODS),
                     default=_DEFAULTS.fuse_method,
-                    tooltip="How a frame held by several windows is blended: pyramid weighs each window's middle "
-                    "most; flat weighs all alike; overlap-linear ramps across the overlap only.",
+                    tooltip="How a frame held by several windows is blended (pyramid: each window's middle most).",
                 ),
                 io.Boolean.Input(
                     "freenoise",
                     default=_DEFAULTS.freenoise,
-                    tooltip="FreeNoise: the starting noise of each next stretch is shuffled from the stretch before, "
-                    "so overlapping windows start from related noise (smoother blends).",
+                    tooltip="Start overlapping windows from related noise (FreeNoise) for smoother blends.",
                 ),
             ],
             outputs=[
