@@ -89,20 +89,20 @@ class WanVACEConditioning(io.ComfyNode):
                 *video_size_inputs(),
                 float_input(
                     "strength",
-                    1.0,
+                    VACEInputs.strength,
                     (0.0, 10.0),
                     0.01,
                     "How strongly the VACE inputs steer the video (1.0 trained, 0 ignores them).",
                 ),
                 fraction_input(
                     "vace_start_percent",
-                    0.0,
+                    VACEInputs.vace_start_percent,
                     "Share of the steps after which the VACE inputs start to apply.",
                     optional=True,
                 ),
                 fraction_input(
                     "vace_end_percent",
-                    1.0,
+                    VACEInputs.vace_end_percent,
                     "Share of the steps after which the VACE inputs stop applying.",
                     optional=True,
                 ),
@@ -169,8 +169,8 @@ class WanVACEConditioning(io.ComfyNode):
             if vace_start_percent is not None or vace_end_percent is not None:
                 # Both are named in a refusal: the window is wrong as a pair (start after end).
                 validate_vace_window(
-                    0.0 if vace_start_percent is None else vace_start_percent,
-                    1.0 if vace_end_percent is None else vace_end_percent,
+                    VACEInputs.vace_start_percent if vace_start_percent is None else vace_start_percent,
+                    VACEInputs.vace_end_percent if vace_end_percent is None else vace_end_percent,
                 )
             check_tiling_inputs(tiled, tile_size, tile_overlap)
             # The size against the model the graph loads (its RoPE table), once the rules above hold.
@@ -194,8 +194,8 @@ class WanVACEConditioning(io.ComfyNode):
         reference_images=None,
         positive_conditioning=None,
         negative_conditioning=None,
-        vace_start_percent: float = 0.0,
-        vace_end_percent: float = 1.0,
+        vace_start_percent: float = VACEInputs.vace_start_percent,
+        vace_end_percent: float = VACEInputs.vace_end_percent,
         tiled: str = VAETiling.mode,
         tile_size: int = VAETiling.tile_size,
         tile_overlap: int = VAETiling.overlap,
