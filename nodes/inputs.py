@@ -12,7 +12,9 @@ LENGTH_RANGE = (1, 1025)
 MODEL_SHIFT = 0.0  # a shift of 0 means the model's own
 
 
-def float_input(name: str, default: float, bounds: tuple[float, float], step: float, tooltip: str, **options):
+def float_input(
+    name: str, default: float, bounds: tuple[float, float], step: float | None, tooltip: str, **options
+) -> io.Float.Input:
     """A FLOAT widget whose range ComfyUI checks, NaN included (`nan_refusing_min`)."""
     low, high = bounds
     return io.Float.Input(
@@ -26,6 +28,7 @@ def fraction_input(name: str, default: float, tooltip: str, **options) -> io.Flo
 
 
 def int_input(name: str, default: int, bounds: tuple[int, int], tooltip: str, **options) -> io.Int.Input:
+    """An INT widget from `bounds[0]` to `bounds[1]`."""
     low, high = bounds
     return io.Int.Input(name, default=default, min=low, max=high, tooltip=tooltip, **options)
 

@@ -9,8 +9,8 @@ from comfy_api.v0_0_2 import io
 
 from ..wanvace_core import WanVACEError, WanVACEInputError
 from ..wanvace_core.runtime.lora import LoraPatch, check_lora
-from ..wanvace_core.validation import nan_refusing_min
 from .graph_checks import check_lora_in_graph
+from .inputs import float_input
 from .model_files import resolve_listed_file
 from .queued_prompt import this_node
 from .refusals import Refusal
@@ -25,13 +25,12 @@ def _lora_path(lora_name: object) -> Path:
 
 
 def _strength_input(name: str, expert: str) -> io.Float.Input:
-    return io.Float.Input(
+    return float_input(
         name,
-        default=1.0,
-        min=nan_refusing_min(-STRENGTH_RANGE),
-        max=STRENGTH_RANGE,
-        step=0.01,
-        tooltip=f"How strongly the LoRA changes the {expert} expert (0 leaves it untouched).",
+        1.0,
+        (-STRENGTH_RANGE, STRENGTH_RANGE),
+        0.01,
+        f"How strongly the LoRA changes the {expert} expert (0 leaves it untouched).",
     )
 
 

@@ -23,8 +23,11 @@ NOT_CONNECTED = object()
 
 
 class Refusal:
-    """The refusal of the checks inside `with Refusal() as refusal:`, the message of the `WanVACEError` they raise;
-    a node's `validate_inputs` then returns `refusal.message or True`."""
+    """Keeps the message of the `WanVACEError` that the checks inside `with Refusal() as refusal:` raise; a node's
+    `validate_inputs` then returns `refusal.message or True`.
+
+    A context, not a decorator: ComfyUI reads which inputs to pass from `validate_inputs`' own arguments
+    (`inspect.getfullargspec`, which does not look through a wrapper's `__wrapped__`)."""
 
     message: str | None = None
 
