@@ -4,94 +4,85 @@ from __future__ import annotations
 
 from comfy_api.v0_0_2 import io
 
-from ..wanvace_core import CACHE_MODES, CacheOptions, ExpertCacheLimits, WanVACEInputError
-from ..wanvace_core.validation import nan_refusing_min
+from ..wanvace_core import CACHE_MODES, CacheOptions, ExpertCacheLimits
+from .inputs import float_input, int_input
+from .refusals import Refusal
 from .types import CATEGORY, WanVACECacheType
+
+_DEFAULTS = CacheOptions()
+STEPS_RANGE = (0, 200)
+LIMIT_RANGE = (-1, 200)  # -1: no limit
 
 
 class WanVACECacheOptions(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
+        high, low = _DEFAULTS.high_noise, _DEFAULTS.low_noise
         return io.Schema(
             node_id="WanVACECacheOptions",
             display_name="WanVACE Cache Options (Cache-DiT)",
             category=CATEGORY,
             description=(
                 "Step caching for both experts with cache-dit's DBCache: on a step whose first blocks barely change, "
-                "the middle blocks are skipped and their residual reused (VACE blocks always run). "
-                "DBCache+TaylorSeer extrapolates the skipped residual instead of repeating it. Connect to "
-                "WanVACESampler's cache input; the sampler reports how many steps each expert cached."
+                "the middle blocks are skipped and their residual reused. Connect to WanVACESampler's cache input."
             ),
             inputs=[
                 io.Combo.Input(
                     "mode",
                     options=list(CACHE_MODES),
-                    default="DBCache",
-                    tooltip="DBCache reuses the last residual; DBCache+TaylorSeer predicts it from the last steps "
-                    "(usually closer to the uncached result at the same speed).",
+                    default=_DEFAULTS.mode,
+                    tooltip="DBCache reuses the last residual; DBCache+TaylorSeer predicts it from the last steps.",
                 ),
-                io.Int.Input(
+                int_input(
                     "Fn_compute_blocks",
-                    default=1,
-                    min=1,
-                    max=64,
-                    tooltip="Leading blocks always computed; their residual decides whether a step is cached. "
-                    "1-4 is typical; more is slower and more faithful.",
+                    _DEFAULTS.Fn_compute_blocks,
+                    (1, 64),
+                    "Leading blocks always computed, whose change decides whether a step is cached (1-4).",
                 ),
-                io.Int.Input(
+                int_input(
                     "Bn_compute_blocks",
-                    default=0,
-                    min=0,
-                    max=64,
-                    tooltip="Trailing blocks always computed. Must stay after the last VACE layer (at most 4 for "
-                    "Wan2.2-VACE-Fun-A14B, whose last VACE layer is 35 of 40).",
+                    _DEFAULTS.Bn_compute_blocks,
+                    (0, 64),
+                    "Trailing blocks always computed, all after the last VACE layer (at most 4 for A14B).",
                 ),
-                io.Float.Input(
+                float_input(
                     "residual_diff_threshold",
-                    default=0.08,
-                    min=nan_refusing_min(0.001),
-                    max=1.0,
-                    step=0.001,
-                    tooltip="Relative change of the first blocks' residual below which a step is cached. "
-                    "0.04-0.12 is typical; higher is faster and less faithful.",
+                    _DEFAULTS.residual_diff_threshold,
+                    (0.001, 1.0),
+                    0.001,
+                    "Change of the first blocks' residual below which a step is cached; higher is faster, less exact.",
                 ),
-                io.Int.Input(
+                int_input(
                     "max_warmup_steps",
-                    default=2,
-                    min=0,
-                    max=200,
-                    tooltip="High-noise expert: steps always computed before caching may start. It gets only the "
-                    "first ~1/3 of the steps (about 7 of 20), so keep this small (1-3).",
+                    high.max_warmup_steps,
+                    STEPS_RANGE,
+                    "High-noise expert: steps computed before caching may start (it gets ~1/3 of the steps: 1-3).",
                 ),
-                io.Int.Input(
+                int_input(
                     "max_cached_steps",
+                    high.max_cached_steps,
+                    LIMIT_RANGE,
+                    "High-noise expert: most steps it may cache.",
                     display_name="max_cached_steps (-1 = no limit)",
-                    default=-1,
-                    min=-1,
-                    max=200,
-                    tooltip="High-noise expert: most steps it may cache; -1 = no limit.",
                 ),
-                io.Int.Input(
+                int_input(
                     "low_noise_max_warmup_steps",
-                    default=2,
-                    min=0,
-                    max=200,
-                    tooltip="Low-noise expert: steps always computed before caching may start (2-6 is typical).",
+                    low.max_warmup_steps,
+                    STEPS_RANGE,
+                    "Low-noise expert: steps computed before caching may start (2-6).",
                 ),
-                io.Int.Input(
+                int_input(
                     "low_noise_max_cached_steps",
+                    low.max_cached_steps,
+                    LIMIT_RANGE,
+                    "Low-noise expert: most steps it may cache.",
                     display_name="low_noise_max_cached_steps (-1 = no limit)",
-                    default=-1,
-                    min=-1,
-                    max=200,
-                    tooltip="Low-noise expert: most steps it may cache; -1 = no limit.",
                 ),
-                io.Int.Input(
+                int_input(
                     "taylorseer_order",
-                    default=1,
-                    min=1,
-                    max=4,
-                    tooltip="Taylor expansion order of the TaylorSeer calibrator (DBCache+TaylorSeer only); 1 or 2.",
+                    _DEFAULTS.taylorseer_order,
+                    (1, 4),
+                    "Taylor order of DBCache+TaylorSeer's prediction (1 or 2).",
                 ),
             ],
             outputs=[WanVACECacheType.Output(display_name="cache", tooltip="Cache settings for WanVACE Sampler.")],
@@ -99,28 +90,25 @@ class WanVACECacheOptions(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, mode: str | None = None) -> bool | str:
-        # ComfyUI lists a refusal under every argument of validate_inputs and skips its own checks for them,
-        # so this takes only the combo that ComfyUI 0.3.75 does not check itself. The other inputs get
-        # ComfyUI's range check, which refuses NaN too (nan_refusing_min) and +-inf, under that input alone.
-        try:
+        # The combo alone; the numbers keep ComfyUI's range check.
+        with Refusal() as refusal:
             if mode is not None:
                 CacheOptions(mode=mode)
-        except WanVACEInputError as error:
-            return str(error)
-        return True
+        return refusal.message or True
 
     @staticmethod
     def options_from(
-        mode: str = "DBCache",
-        Fn_compute_blocks: int = 1,
-        Bn_compute_blocks: int = 0,
-        residual_diff_threshold: float = 0.08,
-        max_warmup_steps: int = 2,
-        max_cached_steps: int = -1,
-        low_noise_max_warmup_steps: int = 2,
-        low_noise_max_cached_steps: int = -1,
-        taylorseer_order: int = 1,
+        mode: str = _DEFAULTS.mode,
+        Fn_compute_blocks: int = _DEFAULTS.Fn_compute_blocks,
+        Bn_compute_blocks: int = _DEFAULTS.Bn_compute_blocks,
+        residual_diff_threshold: float = _DEFAULTS.residual_diff_threshold,
+        max_warmup_steps: int = _DEFAULTS.high_noise.max_warmup_steps,
+        max_cached_steps: int = _DEFAULTS.high_noise.max_cached_steps,
+        low_noise_max_warmup_steps: int = _DEFAULTS.low_noise.max_warmup_steps,
+        low_noise_max_cached_steps: int = _DEFAULTS.low_noise.max_cached_steps,
+        taylorseer_order: int = _DEFAULTS.taylorseer_order,
     ) -> CacheOptions:
+        """The node's inputs as `CacheOptions`; its defaults are the node's (the videos API starts from them)."""
         return CacheOptions(
             mode=mode,
             Fn_compute_blocks=Fn_compute_blocks,

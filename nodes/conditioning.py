@@ -18,21 +18,17 @@ from ..wanvace_core.generation.conditioning import (
 )
 from ..wanvace_core.generation.limits import size_limits_of
 from ..wanvace_core.generation.tiling import VAETiling, requested_peak_bytes
-from ..wanvace_core.validation import nan_refusing_min, validate_range
+from ..wanvace_core.validation import validate_range
 from .graph_checks import check_conditioning_size, check_frames_at_run
+from .inputs import LENGTH_RANGE, SIZE_RANGE, float_input, fraction_input, video_size_inputs
 from .memory import set_working_memory
 from .queued_prompt import this_node
-from .tiling import free_device_bytes, tiling_from_inputs, tiling_inputs, validate_tiling_inputs
+from .refusals import NOT_CONNECTED, Refusal
+from .tiling import check_tiling_inputs, free_device_bytes, tiling_from_inputs, tiling_inputs
 from .types import CATEGORY, WanVACEConditioningType, WanVACEModelType
 
 logger = logging.getLogger(__name__)
 
-# ComfyUI passes a connected input to validate_inputs as None (its value does not exist before the prompt runs)
-# and leaves an unconnected optional input out; this default tells the two apart.
-_NOT_CONNECTED = object()
-# The widgets' ranges, checked again in validate_inputs (whose arguments skip ComfyUI's range check).
-SIZE_RANGE = (16, 4096)
-LENGTH_RANGE = (1, 1025)
 # Keys of a CONDITIONING entry's dict that say nothing the text embeddings do not: ComfyUI's text encoders set
 # pooled_output (None for Wan's umt5) and, for some encoders, attention_mask (which the conversion reads).
 _TEXT_ENCODER_KEYS = {"pooled_output", "attention_mask"}
@@ -74,108 +70,68 @@ class WanVACEConditioning(io.ComfyNode):
             description=(
                 "Encodes the prompts and the VACE inputs for every task. Nothing connected: text-to-video. "
                 "control_video + control_masks: given frames are kept where the mask is 0 and generated where it is "
-                "1 (I2V = one frame with a black mask; first/last frame; inpaint; outpaint; extension = the first "
-                "frames). control_video alone: a control signal (depth, pose, ...). reference_images: subjects or "
-                "style, each its own latent frame. Frames shorter than length are padded with grey and generated. "
-                "positive_conditioning / negative_conditioning take prompts encoded by ComfyUI's own umt5 text "
-                "encoder instead of the texts."
+                "1. control_video alone: a control signal (depth, pose, ...). reference_images: subjects or style."
             ),
             inputs=[
-                WanVACEModelType.Input("model", tooltip="The pipeline from WanVACE Model Loader."),
+                WanVACEModelType.Input("model", tooltip="The pipeline from a WanVACE loader."),
                 io.String.Input(
                     "positive",
                     multiline=True,
                     default="",
-                    tooltip="What the video shows. Must not be empty unless positive_conditioning is connected, "
-                    "which then replaces this text.",
+                    tooltip="What the video shows; may be empty only when positive_conditioning replaces it.",
                 ),
                 io.String.Input(
                     "negative",
                     multiline=True,
                     default="",
-                    tooltip="What to steer away from (used when cfg > 1). May be empty. Ignored when "
-                    "negative_conditioning is connected.",
+                    tooltip="What to steer away from at cfg above 1 (may be empty).",
                 ),
-                io.Int.Input(
-                    "width",
-                    default=832,
-                    min=SIZE_RANGE[0],
-                    max=SIZE_RANGE[1],
-                    step=16,
-                    tooltip="Video width in pixels, a multiple of 16.",
-                ),
-                io.Int.Input(
-                    "height",
-                    default=480,
-                    min=SIZE_RANGE[0],
-                    max=SIZE_RANGE[1],
-                    step=16,
-                    tooltip="Video height in pixels, a multiple of 16.",
-                ),
-                io.Int.Input(
-                    "length",
-                    default=81,
-                    min=LENGTH_RANGE[0],
-                    max=LENGTH_RANGE[1],
-                    step=4,
-                    tooltip="Number of frames, of the form 4n+1 (81 = 5 s at 16 fps).",
-                ),
-                io.Float.Input(
+                *video_size_inputs(),
+                float_input(
                     "strength",
-                    default=1.0,
-                    min=nan_refusing_min(0.0),
-                    max=10.0,
-                    step=0.01,
-                    tooltip="How strongly the VACE inputs steer the video; 1.0 is the trained value, 0 ignores them.",
+                    VACEInputs.strength,
+                    (0.0, 10.0),
+                    0.01,
+                    "How strongly the VACE inputs steer the video (1.0 trained, 0 ignores them).",
                 ),
-                io.Float.Input(
+                fraction_input(
                     "vace_start_percent",
-                    default=0.0,
-                    min=nan_refusing_min(0.0),
-                    max=1.0,
-                    step=0.01,
+                    VACEInputs.vace_start_percent,
+                    "Share of the steps after which the VACE inputs start to apply.",
                     optional=True,
-                    tooltip="Share of the steps after which the VACE inputs start to apply (0 = from the first step). "
-                    "Steps outside the window run without the VACE blocks, like strength 0 there.",
                 ),
-                io.Float.Input(
+                fraction_input(
                     "vace_end_percent",
-                    default=1.0,
-                    min=nan_refusing_min(0.0),
-                    max=1.0,
-                    step=0.01,
+                    VACEInputs.vace_end_percent,
+                    "Share of the steps after which the VACE inputs stop applying.",
                     optional=True,
-                    tooltip="Share of the steps after which the VACE inputs stop applying (1 = to the last step). "
-                    "E.g. 0.5 lets the control video set the layout in the first half and frees the details after.",
                 ),
                 io.Image.Input(
                     "control_video",
                     optional=True,
-                    tooltip="Frames at width x height, at most length of them, covering the start of the video.",
+                    tooltip="Frames at width x height, at most length of them, from the start of the video.",
                 ),
                 io.Mask.Input(
                     "control_masks",
                     optional=True,
-                    tooltip="1 = generate, 0 = keep the control_video pixel. One mask per control frame, or a single "
-                    "mask for all of them; frames past the masks are generated.",
+                    tooltip="1 = generate, 0 = keep the control_video pixel; one mask per frame, or one for all.",
                 ),
                 io.Image.Input(
                     "reference_images",
                     optional=True,
-                    tooltip="One or more reference images (an IMAGE batch); each is fitted onto a white canvas of the "
-                    "video size and becomes its own latent frame.",
+                    tooltip="Subject or style images (an IMAGE batch), each its own latent frame.",
                 ),
                 io.Conditioning.Input(
                     POSITIVE_EMBEDS_INPUT,
                     optional=True,
-                    tooltip="The positive prompt encoded by ComfyUI's own text encoder (CLIPLoader with umt5_xxl, type "
-                    "wan, then CLIPTextEncode), used instead of the positive text, which may then be empty.",
+                    tooltip="The positive prompt from ComfyUI's CLIPTextEncode (umt5_xxl, type wan), used instead "
+                    "of the text.",
                 ),
                 io.Conditioning.Input(
                     NEGATIVE_EMBEDS_INPUT,
                     optional=True,
-                    tooltip="The negative prompt encoded by ComfyUI's own text encoder (CLIPLoader with umt5_xxl, type "
-                    "wan, then CLIPTextEncode), used instead of the negative text.",
+                    tooltip="The negative prompt from ComfyUI's CLIPTextEncode (umt5_xxl, type wan), used instead "
+                    "of the text.",
                 ),
                 *tiling_inputs(),  # for the VAE encode of control_video (and masks)
             ],
@@ -191,19 +147,16 @@ class WanVACEConditioning(io.ComfyNode):
         width: int | None = None,
         height: int | None = None,
         length: int | None = None,
-        positive_conditioning=_NOT_CONNECTED,
+        positive_conditioning=NOT_CONNECTED,
         vace_start_percent: float | None = None,
         vace_end_percent: float | None = None,
         tiled: str | None = None,
         tile_size: int | None = None,
         tile_overlap: int | None = None,
     ) -> bool | str:
-        # Only inputs with a rule ComfyUI cannot check: width/height multiples of 16 and length 4n+1 (with their
-        # ranges, which ComfyUI skips for arguments), the empty prompt (an unconnected positive_conditioning is not
-        # passed), the VACE window as a pair, and the tiling inputs. Floats such as strength stay out: ComfyUI's
-        # own range check refuses NaN (nan_refusing_min) and +-inf under that input alone. ComfyUI lists a refusal
-        # under every argument; each names its input first, and queued_prompt keeps the copy under that input.
-        try:
+        # Width and height (multiples of 16), length (4n+1), the empty prompt, the VACE window as a pair and the
+        # tiling inputs; strength keeps ComfyUI's range check.
+        with Refusal() as refusal:
             for name, value, bounds in (("width", width, SIZE_RANGE), ("height", height, SIZE_RANGE)):
                 if value is not None:
                     validate_range(name, value, *bounds)
@@ -212,23 +165,19 @@ class WanVACEConditioning(io.ComfyNode):
                 validate_range("length", length, *LENGTH_RANGE)
                 validate_length("length", length)
             if positive is not None:
-                validate_prompt(positive, has_embeddings=positive_conditioning is not _NOT_CONNECTED)
+                validate_prompt(positive, has_embeddings=positive_conditioning is not NOT_CONNECTED)
             if vace_start_percent is not None or vace_end_percent is not None:
                 # Both are named in a refusal: the window is wrong as a pair (start after end).
                 validate_vace_window(
-                    0.0 if vace_start_percent is None else vace_start_percent,
-                    1.0 if vace_end_percent is None else vace_end_percent,
+                    VACEInputs.vace_start_percent if vace_start_percent is None else vace_start_percent,
+                    VACEInputs.vace_end_percent if vace_end_percent is None else vace_end_percent,
                 )
-            tiling = validate_tiling_inputs(tiled, tile_size, tile_overlap)
-            if tiling is not True:
-                return tiling
+            check_tiling_inputs(tiled, tile_size, tile_overlap)
             # The size against the model the graph loads (its RoPE table), once the rules above hold.
             graph = this_node()
             if graph is not None:
                 check_conditioning_size(*graph)
-        except WanVACEInputError as error:
-            return str(error)
-        return True
+        return refusal.message or True
 
     @classmethod
     def execute(
@@ -245,8 +194,8 @@ class WanVACEConditioning(io.ComfyNode):
         reference_images=None,
         positive_conditioning=None,
         negative_conditioning=None,
-        vace_start_percent: float = 0.0,
-        vace_end_percent: float = 1.0,
+        vace_start_percent: float = VACEInputs.vace_start_percent,
+        vace_end_percent: float = VACEInputs.vace_end_percent,
         tiled: str = VAETiling.mode,
         tile_size: int = VAETiling.tile_size,
         tile_overlap: int = VAETiling.overlap,

@@ -7,7 +7,8 @@ from comfy_api.v0_0_2 import io
 from ..wanvace_core import decode
 from ..wanvace_core.generation.tiling import VAETiling, requested_peak_bytes
 from .memory import set_working_memory
-from .tiling import free_device_bytes, tiling_from_inputs, tiling_inputs, validate_tiling_inputs
+from .refusals import Refusal
+from .tiling import check_tiling_inputs, free_device_bytes, tiling_from_inputs, tiling_inputs
 from .types import CATEGORY, WanVACEModelType
 
 
@@ -31,7 +32,9 @@ class WanVACEDecode(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, tiled=None, tile_size=None, tile_overlap=None) -> bool | str:
-        return validate_tiling_inputs(tiled, tile_size, tile_overlap)
+        with Refusal() as refusal:
+            check_tiling_inputs(tiled, tile_size, tile_overlap)
+        return refusal.message or True
 
     @classmethod
     def execute(

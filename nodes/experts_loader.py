@@ -15,7 +15,6 @@ from ..wanvace_core import (
     ExpertFiles,
     OffloadOptions,
     RuntimePlan,
-    WanVACEError,
     WanVACEInputError,
     WanVACEModel,
     inspect_expert_files,
@@ -28,6 +27,7 @@ from ..wanvace_core.runtime.loaders import refuse_fp8_matmul_without_fp8
 from ..wanvace_core.validation import nan_refusing_min
 from .held import load_or_reuse
 from .model_files import list_weight_files, refuse_unlisted, resolve_listed_file, where_to_get
+from .refusals import Refusal
 from .runtime_inputs import attention_input, compile_input, fp8_matmul_input, runtime_plan, runtime_refusal
 from .types import CATEGORY, WanVACEModelType, WanVACEOffloadType, WanVACEParallelType
 
@@ -132,41 +132,34 @@ class WanVACEExpertsLoader(io.ComfyNode):
                 io.Combo.Input(
                     "high_noise_model",
                     options=experts,
-                    tooltip="The high-noise expert (runs the first, noisiest steps), from models/diffusion_models: "
-                    "e.g. wan2.2_fun_vace_high_noise_14B_fp8_scaled.safetensors, a HIGH GGUF, or a "
-                    "wan2.2_t2v_high_noise expert together with high_noise_vace_module.",
+                    tooltip="The high-noise expert (the first, noisiest steps) from models/diffusion_models.",
                 ),
                 io.Combo.Input(
                     "low_noise_model",
                     options=experts,
-                    tooltip="The low-noise expert (the final, detail steps) of the same release, e.g. "
-                    "wan2.2_fun_vace_low_noise_14B_fp8_scaled.safetensors.",
+                    tooltip="The low-noise expert (the final, detail steps) of the same release.",
                 ),
                 io.Combo.Input(
                     "text_encoder",
                     options=list_weight_files("text_encoders"),
-                    tooltip="umt5-xxl from models/text_encoders (umt5_xxl_fp16 or umt5_xxl_fp8_e4m3fn_scaled); its "
-                    "tokenizer is read from the file.",
+                    tooltip="umt5-xxl from models/text_encoders (umt5_xxl_fp16 or umt5_xxl_fp8_e4m3fn_scaled).",
                 ),
                 io.Combo.Input(
                     "vae",
                     options=list_weight_files("vae"),
-                    tooltip="The Wan 2.1 VAE from models/vae (wan_2.1_vae.safetensors); Wan2.2-VACE-Fun-A14B uses it.",
+                    tooltip="The Wan 2.1 VAE from models/vae (wan_2.1_vae.safetensors).",
                 ),
                 io.Combo.Input(
                     "dtype",
                     options=list(DTYPES),
                     default="bf16",
-                    tooltip="Compute dtype, and the dtype of every weight that is not kept quantised. bf16 is what "
-                    "the model was trained in; fp32 doubles memory; fp16 may overflow.",
+                    tooltip="Compute dtype, and that of every weight not kept quantised; bf16 is the trained one.",
                 ),
                 io.Combo.Input(
                     "weight_dtype",
                     options=list(WEIGHT_DTYPES),
                     default="auto",
-                    tooltip="auto: fp8 and GGUF expert weights stay as stored (fp8 = half of bf16) and are "
-                    "dequantised layer by layer while computing. bf16/fp16/fp32: every expert Linear weight is "
-                    "dequantised once at load and held in that dtype (more memory, no per-step dequantising).",
+                    tooltip="auto keeps fp8 and GGUF expert weights as stored; a dtype dequantises them at load.",
                 ),
                 io.Float.Input(
                     "boundary_ratio",
@@ -174,38 +167,31 @@ class WanVACEExpertsLoader(io.ComfyNode):
                     min=nan_refusing_min(0.0),
                     max=1.0,
                     step=0.005,
-                    tooltip="Steps with timestep >= boundary_ratio x 1000 use the high-noise expert, the rest the "
-                    "low-noise one. 0.875 is Wan2.2-VACE-Fun's trained value.",
+                    tooltip="The high-noise expert runs while timestep >= this x 1000, the low-noise one after.",
                 ),
                 io.Combo.Input(
                     "high_noise_vace_module",
                     options=[NONE, *experts],
                     default=NONE,
                     optional=True,
-                    tooltip="Only with a Wan2.2-T2V high-noise expert: Kijai's VACE module for it "
-                    "(Wan2_2_Fun_VACE_module_A14B_HIGH_*). none for a whole VACE expert.",
+                    tooltip="Kijai's VACE module for a Wan2.2-T2V high-noise expert (none for a VACE expert).",
                 ),
                 io.Combo.Input(
                     "low_noise_vace_module",
                     options=[NONE, *experts],
                     default=NONE,
                     optional=True,
-                    tooltip="Only with a Wan2.2-T2V low-noise expert: Kijai's VACE module for it "
-                    "(Wan2_2_Fun_VACE_module_A14B_LOW_*). none for a whole VACE expert.",
+                    tooltip="Kijai's VACE module for a Wan2.2-T2V low-noise expert (none for a VACE expert).",
                 ),
                 WanVACEOffloadType.Input(
                     "offload",
                     optional=True,
-                    tooltip="From WanVACE Offload Options; unconnected = everything on the GPU. Layerwise offload "
-                    "streams the stored (fp8/GGUF) bytes. Changing only these options re-attaches to the loaded "
-                    "weights.",
+                    tooltip="From WanVACE Offload Options; unconnected = everything on the GPU.",
                 ),
                 WanVACEParallelType.Input(
                     "parallel",
                     optional=True,
-                    tooltip="From WanVACE Parallel Options: the experts load and run in worker processes across "
-                    "devices or machines, each rank reading only its part (fp8/GGUF experts need weight_dtype bf16, "
-                    "fp16 or fp32 when sharded). Unconnected = this process, one device.",
+                    tooltip="From WanVACE Parallel Options: the experts run in worker processes; unconnected = here.",
                 ),
                 attention_input(),
                 fp8_matmul_input(),
@@ -229,13 +215,10 @@ class WanVACEExpertsLoader(io.ComfyNode):
         fp8_matmul: bool = False,
         compile: bool = False,
     ) -> bool | str:
-        # The files are checked together (headers only): whether they fit is a property of the set. Arguments of
-        # validate_inputs skip ComfyUI's own list checks, so names are checked against the lists here, and the
-        # dtypes too (ComfyUI 0.3.75 checks no V3 combo). Every file not there is named at once, with where to get
-        # it; each refusal names its input first (ComfyUI lists it under every argument, and queued_prompt keeps
-        # the copy under that input). attention, fp8_matmul and compile are probed on this device off the event
-        # loop (async): what cannot run here is refused at queue time.
-        try:
+        # The files together (headers only: whether they fit is a property of the set), every one not there named
+        # at once with where to get it, and the dtypes; attention, fp8_matmul and compile are probed on this device
+        # off the event loop (async).
+        with Refusal() as refusal:
             for name, value, options in (("dtype", dtype, DTYPES), ("weight_dtype", weight_dtype, WEIGHT_DTYPES)):
                 if value is not None and value not in options:
                     raise WanVACEInputError(f"{name}={value!r} is not supported; choose one of {', '.join(options)}.")
@@ -250,9 +233,7 @@ class WanVACEExpertsLoader(io.ComfyNode):
             _refuse_missing_files(chosen)
             if None not in (high_noise_model, low_noise_model, text_encoder, vae):
                 inspect_expert_files(_expert_files(**chosen))
-        except WanVACEError as error:
-            return str(error)
-        return await runtime_refusal(attention, compile, fp8_matmul) or True
+        return refusal.message or await runtime_refusal(attention, compile, fp8_matmul) or True
 
     @classmethod
     def execute(

@@ -19,54 +19,25 @@ from comfy_api.v0_0_2 import io
 
 from ..wanvace_core.errors import WanVACEInputError
 from ..wanvace_core.generation.tasks import Outpaint, task_inputs
-from .conditioning import LENGTH_RANGE, SIZE_RANGE
+from .inputs import video_size_inputs
+from .refusals import NOT_CONNECTED
 from .types import CATEGORY
 
 PAD_RANGE = (0, 4096)
 CONTROL_USES = ("control", "keep")
-# ComfyUI passes a connected input to validate_inputs as None and leaves an unconnected optional one out.
-_NOT_CONNECTED = object()
-
-
-def _size_inputs(length_tooltip: str) -> list:
-    return [
-        io.Int.Input(
-            "width",
-            default=832,
-            min=SIZE_RANGE[0],
-            max=SIZE_RANGE[1],
-            step=16,
-            tooltip="Video width in pixels: the same as WanVACE Conditioning's width.",
-        ),
-        io.Int.Input(
-            "height",
-            default=480,
-            min=SIZE_RANGE[0],
-            max=SIZE_RANGE[1],
-            step=16,
-            tooltip="Video height in pixels: the same as WanVACE Conditioning's height.",
-        ),
-        io.Int.Input(
-            "length",
-            default=81,
-            min=LENGTH_RANGE[0],
-            max=LENGTH_RANGE[1],
-            step=4,
-            tooltip=f"Number of frames (4n+1): the same as WanVACE Conditioning's length. {length_tooltip}",
-        ),
-    ]
+SAME_AS_CONDITIONING = ", the same as WanVACE Conditioning's"
 
 
 def _source_inputs() -> list:
     return [
-        io.Video.Input("video", optional=True, tooltip="A video (LoadVideo). Connect this or images."),
-        io.Image.Input("images", optional=True, tooltip="Frames or one image (LoadImage). Connect this or video."),
+        io.Video.Input("video", optional=True, tooltip="A video (LoadVideo); connect this or images."),
+        io.Image.Input("images", optional=True, tooltip="Frames or one image (LoadImage); connect this or video."),
     ]
 
 
 def _one_source(video, images) -> bool | str:
     """validate_inputs: exactly one of video and images is connected."""
-    connected = [name for name, value in (("video", video), ("images", images)) if value is not _NOT_CONNECTED]
+    connected = [name for name, value in (("video", video), ("images", images)) if value is not NOT_CONNECTED]
     if len(connected) != 1:
         return (
             "connect video (a LoadVideo) or images (a LoadImage or other frames), one of them"
@@ -100,33 +71,30 @@ class WanVACEControlVideo(io.ComfyNode):
             ),
             inputs=[
                 *_source_inputs(),
-                *_size_inputs("Frames past it are left out; fewer frames cover the start of the video."),
+                *video_size_inputs(SAME_AS_CONDITIONING),
                 io.Combo.Input(
                     "use",
                     options=list(CONTROL_USES),
                     default="control",
-                    tooltip="Without masks: control = the frames steer the video (depth, pose, edge videos); keep = "
-                    "the frames are kept as they are and the frames after them generated.",
+                    tooltip="Without masks: control = the frames steer the video; keep = they are kept as they are.",
                 ),
                 io.Mask.Input(
                     "masks",
                     optional=True,
-                    tooltip="1 (white) = generate, 0 = keep the frame's pixel; one mask for every frame, or one per "
-                    "frame. Connected, they decide what is kept (use is then not read).",
+                    tooltip="1 (white) = generate, 0 = keep the pixel; one mask for all frames or one per frame.",
                 ),
             ],
             outputs=[
                 io.Image.Output(display_name="control_video", tooltip="The frames at width x height, at most length."),
                 io.Mask.Output(
                     display_name="control_masks",
-                    tooltip="The masks fitted to width x height; keep: one black mask (keep every given frame); "
-                    "control: one white mask (generate everything, as no mask).",
+                    tooltip="The masks at width x height (keep: one black mask; control: one white mask).",
                 ),
             ],
         )
 
     @classmethod
-    def validate_inputs(cls, video=_NOT_CONNECTED, images=_NOT_CONNECTED) -> bool | str:
+    def validate_inputs(cls, video=NOT_CONNECTED, images=NOT_CONNECTED) -> bool | str:
         return _one_source(video, images)
 
     @classmethod
@@ -159,7 +127,7 @@ class WanVACEFirstLastFrame(io.ComfyNode):
             inputs=[
                 io.Image.Input("first_frame", tooltip="The image the video starts with (its first image is used)."),
                 io.Image.Input("last_frame", tooltip="The image the video ends with (its first image is used)."),
-                *_size_inputs("The last frame goes to frame length - 1."),
+                *video_size_inputs(SAME_AS_CONDITIONING),
             ],
             outputs=[
                 io.Image.Output(display_name="control_video", tooltip="length frames: first, grey, ..., last."),
@@ -187,7 +155,7 @@ class WanVACEOutpaintCanvas(io.ComfyNode):
             ),
             inputs=[
                 *_source_inputs(),
-                *_size_inputs("Frames past it are left out."),
+                *video_size_inputs(SAME_AS_CONDITIONING),
                 *(
                     io.Int.Input(
                         side,
@@ -212,28 +180,14 @@ class WanVACEOutpaintCanvas(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, video=_NOT_CONNECTED, images=_NOT_CONNECTED) -> bool | str:
+    def validate_inputs(cls, video=NOT_CONNECTED, images=NOT_CONNECTED) -> bool | str:
         return _one_source(video, images)
 
     @classmethod
     def execute(
-        cls,
-        width: int,
-        height: int,
-        length: int,
-        left: int,
-        top: int,
-        right: int,
-        bottom: int,
-        video=None,
-        images=None,
+        cls, width: int, height: int, length: int, left: int, top: int, right: int, bottom: int, video=None, images=None
     ) -> io.NodeOutput:
         arranged = task_inputs(
-            "outpaint",
-            width,
-            height,
-            length,
-            video=_frames(video, images),
-            outpaint=Outpaint(left, top, right, bottom),
+            "outpaint", width, height, length, video=_frames(video, images), outpaint=Outpaint(left, top, right, bottom)
         )
         return io.NodeOutput(arranged["control_video"], arranged["control_masks"])

@@ -10,16 +10,17 @@ from comfy_api.v0_0_2 import io
 from ..wanvace_core import WanVACEInputError
 from ..wanvace_core.generation.guidance import APGOptions, ExpertGuidance, GuidanceOptions
 from ..wanvace_core.runtime.attention_guidance import NAGOptions, SkipLayerOptions
-from ..wanvace_core.validation import nan_refusing_min
+from .inputs import float_input, fraction_input, int_input
+from .refusals import Refusal, check_choice
 from .types import CATEGORY, WanVACEGuidanceType
 
 RULES = ("cfg", "cfg_zero_star", "apg", "tcfg")
 EXPERTS = ("both", "high_noise", "low_noise")
+NAG_OFF = 1.0
 
 
 def expert_guidance(rule: str, zero_init_steps: int, apg_eta: float, apg_norm_threshold: float, apg_momentum: float):
-    if rule not in RULES:
-        raise WanVACEInputError(f"rule={rule!r} is unknown; choose one of {', '.join(RULES)}.")
+    check_choice("rule", rule, RULES)
     apg = APGOptions(apg_eta, apg_norm_threshold, apg_momentum) if rule == "apg" else None
     return ExpertGuidance(
         cfg_zero_star=rule == "cfg_zero_star", zero_init_steps=zero_init_steps, apg=apg, tcfg=rule == "tcfg"
@@ -53,104 +54,68 @@ class WanVACEGuidanceOptions(io.ComfyNode):
                     "rule",
                     options=list(RULES),
                     default="cfg",
-                    tooltip="cfg: plain guidance. cfg_zero_star: CFG-Zero* (less over-saturation at high cfg). "
-                    "apg: adaptive projected guidance on the denoised estimate, as ComfyUI's APG node. tcfg: "
-                    "tangential damping of the negative prediction.",
+                    tooltip="How the two predictions combine: plain cfg, CFG-Zero*, APG (as ComfyUI's) or TCFG.",
                 ),
                 io.Combo.Input("experts", options=list(EXPERTS), default="both", tooltip="The experts it applies to."),
-                io.Int.Input(
+                int_input(
                     "zero_init_steps",
-                    default=0,
-                    min=0,
-                    max=200,
-                    tooltip="First steps that predict zero velocity (CFG-Zero*'s zero-init; 1 is typical; 0 = off).",
+                    ExpertGuidance.zero_init_steps,
+                    (0, 200),
+                    "CFG-Zero*: first steps that predict zero velocity (1 is typical; 0 = off).",
                 ),
-                io.Float.Input(
-                    "apg_eta",
-                    default=1.0,
-                    min=nan_refusing_min(0.0),
-                    max=1.0,
-                    step=0.01,
-                    tooltip="APG: weight of the guidance parallel to the prediction (0 drops it).",
-                ),
-                io.Float.Input(
+                fraction_input("apg_eta", APGOptions.eta, "APG: weight of the guidance parallel to the prediction."),
+                float_input(
                     "apg_norm_threshold",
-                    default=5.0,
-                    min=nan_refusing_min(0.0),
-                    max=50.0,
-                    step=0.1,
-                    tooltip="APG: largest guidance norm per channel; 0 = no clamp.",
+                    APGOptions.norm_threshold,
+                    (0.0, 50.0),
+                    0.1,
+                    "APG: largest guidance norm per channel; 0 = no clamp.",
                 ),
-                io.Float.Input(
+                float_input(
                     "apg_momentum",
-                    default=0.0,
-                    min=nan_refusing_min(-1.0),
-                    max=0.99,
-                    step=0.01,
-                    tooltip="APG: running average of the guidance over steps (-0.5 in the paper; 0 = off).",
+                    APGOptions.momentum,
+                    (-1.0, 0.99),
+                    0.01,
+                    "APG: running average of the guidance over steps (-0.5 in the paper; 0 = off).",
                 ),
-                io.Float.Input(
+                float_input(
                     "nag_scale",
-                    default=1.0,
-                    min=nan_refusing_min(1.0),
-                    max=50.0,
-                    step=0.1,
-                    tooltip="NAG: the negative prompt for experts at cfg 1 (Lightning LoRAs), applied in "
-                    "cross-attention; 11 is typical, 1 = off.",
+                    NAG_OFF,
+                    (1.0, 50.0),
+                    0.1,
+                    "NAG: the negative prompt for experts at cfg 1, in cross-attention (11 is typical; 1 = off).",
                 ),
-                io.Float.Input(
+                float_input(
                     "nag_tau",
-                    default=2.5,
-                    min=nan_refusing_min(1.01),
-                    max=10.0,
-                    step=0.01,
-                    tooltip="NAG: the most the guided attention's norm may grow over the prompt's (2.5 typical).",
+                    NAGOptions.tau,
+                    (1.01, 10.0),
+                    0.01,
+                    "NAG: the most the guided attention's norm may grow over the prompt's.",
                 ),
-                io.Float.Input(
-                    "nag_alpha",
-                    default=0.25,
-                    min=nan_refusing_min(0.0),
-                    max=1.0,
-                    step=0.01,
-                    tooltip="NAG: blend of the guided attention into the prompt's (0.25 typical).",
-                ),
+                fraction_input("nag_alpha", NAGOptions.alpha, "NAG: blend of the guided attention into the prompt's."),
                 io.String.Input(
                     "slg_blocks",
                     default="",
-                    tooltip="SLG: blocks the negative pass skips, like 9 or 8,9 (empty = off). Needs cfg above 1.",
+                    tooltip="SLG: blocks the negative pass skips, like 9 or 8,9 (empty = off; needs cfg above 1).",
                 ),
-                io.Float.Input(
-                    "slg_start_percent",
-                    default=0.1,
-                    min=nan_refusing_min(0.0),
-                    max=1.0,
-                    step=0.01,
-                    tooltip="SLG: first step, as a fraction of the run.",
+                fraction_input(
+                    "slg_start_percent", SkipLayerOptions.start_percent, "SLG: first step, as a fraction of the run."
                 ),
-                io.Float.Input(
-                    "slg_end_percent",
-                    default=1.0,
-                    min=nan_refusing_min(0.0),
-                    max=1.0,
-                    step=0.01,
-                    tooltip="SLG: last step, as a fraction of the run.",
+                fraction_input(
+                    "slg_end_percent", SkipLayerOptions.end_percent, "SLG: last step, as a fraction of the run."
                 ),
-                io.Float.Input(
+                float_input(
                     "slg_scale",
-                    default=0.0,
-                    min=nan_refusing_min(0.0),
-                    max=20.0,
-                    step=0.1,
-                    tooltip="SLG: 0 skips the blocks in the negative pass (cached as usual); above 0, an extra pass "
-                    "without them adds scale x its difference (ComfyUI's SkipLayerGuidanceDiT; 3 is typical).",
+                    SkipLayerOptions.scale,
+                    (0.0, 20.0),
+                    0.1,
+                    "SLG: 0 skips the blocks in the negative pass; above 0, an extra pass without them (3 typical).",
                 ),
-                io.Int.Input(
+                int_input(
                     "riflex_index",
-                    default=0,
-                    min=-1,
-                    max=64,
-                    tooltip="RIFLEx against repeating long videos: the time frequency to slow; -1 = chosen from the "
-                    "frame count, 6 as WanVideoWrapper, 0 = off.",
+                    GuidanceOptions.riflex_index,
+                    (-1, 64),
+                    "RIFLEx against repeating long videos: the time frequency to slow (-1 = auto, 0 = off).",
                 ),
                 WanVACEGuidanceType.Input(
                     "guidance", optional=True, tooltip="Earlier options; this node overrides the experts it names."
@@ -168,23 +133,18 @@ class WanVACEGuidanceOptions(io.ComfyNode):
         slg_start_percent: float | None = None,
         slg_end_percent: float | None = None,
     ) -> bool | str:
-        # The combos ComfyUI 0.3.75 does not check on V3 nodes, and SLG's text and range; the other numbers get
-        # ComfyUI's range check.
-        if rule is not None and rule not in RULES:
-            return f"rule={rule!r} is unknown; choose one of {', '.join(RULES)}."
-        if experts is not None and experts not in EXPERTS:
-            return f"experts={experts!r} is unknown; choose one of {', '.join(EXPERTS)}."
-        # SLG's percents are arguments here (their order is checked across both), so ComfyUI skips its own range
-        # check of them: both bounds, and NaN, are checked here.
-        for name, value in (("slg_start_percent", slg_start_percent), ("slg_end_percent", slg_end_percent)):
-            if value is not None and not 0.0 <= value <= 1.0:
-                return f"{name}={value} must lie in [0, 1] (a fraction of the run's steps)."
-        if slg_blocks is not None and slg_start_percent is not None and slg_end_percent is not None:
-            try:
+        # The combos and SLG's text and percents (their order is checked across both, so both bounds and NaN are
+        # checked here); the other numbers keep ComfyUI's range check.
+        with Refusal() as refusal:
+            for name, value, choices in (("rule", rule, RULES), ("experts", experts, EXPERTS)):
+                if value is not None:
+                    check_choice(name, value, choices)
+            for name, value in (("slg_start_percent", slg_start_percent), ("slg_end_percent", slg_end_percent)):
+                if value is not None and not 0.0 <= value <= 1.0:
+                    raise WanVACEInputError(f"{name}={value} must lie in [0, 1] (a fraction of the run's steps).")
+            if slg_blocks is not None and slg_start_percent is not None and slg_end_percent is not None:
                 skip_layers(slg_blocks, slg_start_percent, slg_end_percent)
-            except WanVACEInputError as error:
-                return str(error)
-        return True
+        return refusal.message or True
 
     @classmethod
     def execute(
@@ -195,14 +155,14 @@ class WanVACEGuidanceOptions(io.ComfyNode):
         apg_eta: float,
         apg_norm_threshold: float,
         apg_momentum: float,
-        nag_scale: float = 1.0,
-        nag_tau: float = 2.5,
-        nag_alpha: float = 0.25,
-        slg_blocks: str = "",
-        slg_start_percent: float = 0.1,
-        slg_end_percent: float = 1.0,
-        slg_scale: float = 0.0,
-        riflex_index: int = 0,
+        nag_scale: float,
+        nag_tau: float,
+        nag_alpha: float,
+        slg_blocks: str,
+        slg_start_percent: float,
+        slg_end_percent: float,
+        slg_scale: float,
+        riflex_index: int,
         guidance: GuidanceOptions | None = None,
     ) -> io.NodeOutput:
         chosen = expert_guidance(rule, zero_init_steps, apg_eta, apg_norm_threshold, apg_momentum)
@@ -211,7 +171,7 @@ class WanVACEGuidanceOptions(io.ComfyNode):
         slg = skip_layers(slg_blocks, slg_start_percent, slg_end_percent, slg_scale)
         if slg is not None:
             options = dataclasses.replace(options, slg=slg)
-        if nag_scale > 1.0:
+        if nag_scale > NAG_OFF:
             options = dataclasses.replace(options, nag=NAGOptions(nag_scale, nag_tau, nag_alpha))
         if riflex_index:
             options = dataclasses.replace(options, riflex_index=riflex_index)

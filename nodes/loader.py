@@ -31,6 +31,7 @@ from ..wanvace_core.parallel import ParallelOptions
 from .experts_loader import load_experts_or_reuse
 from .held import load_or_reuse
 from .model_files import folder_roots, resolve_listed_folder
+from .refusals import Refusal
 from .runtime_inputs import attention_input, compile_input, runtime_plan, runtime_refusal
 from .types import CATEGORY, WanVACEModelType, WanVACEOffloadType, WanVACEParallelType
 
@@ -80,38 +81,29 @@ class WanVACEModelLoader(io.ComfyNode):
                 io.Combo.Input(
                     "model_name",
                     options=list_model_folders(),
-                    tooltip="A pipeline folder under models/diffusers: a diffusers one (model_index.json naming "
-                    "WanVACEPipeline, e.g. Wan2.2-VACE-Fun-A14B-Diffusers) or the original Wan2.2-VACE-Fun-A14B "
-                    "release (high_noise_model/, low_noise_model/, Wan2.1_VAE.pth).",
+                    tooltip="A pipeline folder under models/diffusers: a diffusers one, or the original release.",
                 ),
                 io.Combo.Input(
                     "dtype",
                     options=list(DTYPES),
                     default="bf16",
-                    tooltip="Weight and compute dtype. bf16 is what the model was trained in; fp32 doubles memory; "
-                    "fp16 may overflow. Norms and time embeddings stay fp32 as diffusers keeps them.",
+                    tooltip="Weight and compute dtype; bf16 is what the model was trained in.",
                 ),
                 io.Boolean.Input(
                     "allow_pth_weights",
                     default=False,
                     optional=True,
-                    tooltip="Only the original alibaba-pai release needs this: its text encoder and VAE are .pth "
-                    "pickles. On: they are read with torch.load(weights_only=True), which refuses code objects but "
-                    "still parses the pickle, so only turn it on for files from a source you trust. Off: such folders "
-                    "are refused; diffusers folders and safetensors never need it.",
+                    tooltip="Read the original release's .pth pickles (turn on only for files from a trusted source).",
                 ),
                 WanVACEOffloadType.Input(
                     "offload",
                     optional=True,
-                    tooltip="From WanVACE Offload Options; unconnected = everything on the GPU (ComfyUI's "
-                    "'Unload models' then drops the weights and the next prompt reads them back from disk). "
-                    "Changing only these options re-attaches to the weights already loaded.",
+                    tooltip="From WanVACE Offload Options; unconnected = everything on the GPU.",
                 ),
                 WanVACEParallelType.Input(
                     "parallel",
                     optional=True,
-                    tooltip="From WanVACE Parallel Options: the experts load and run in worker processes across "
-                    "devices or machines, each rank reading only its part. Unconnected = this process, one device.",
+                    tooltip="From WanVACE Parallel Options: the experts run in worker processes; unconnected = here.",
                 ),
                 attention_input(),
                 compile_input(),
@@ -128,12 +120,9 @@ class WanVACEModelLoader(io.ComfyNode):
         attention: str = DEFAULT_ATTENTION,
         compile: bool = False,
     ) -> bool | str:
-        # Arguments of validate_inputs skip ComfyUI's own list checks, so model_name is checked against the listed
-        # folders here, and dtype (whose list ComfyUI 0.3.75 does not check on V3 nodes) too; the pickle opt-in is an
-        # argument because whether a folder loads depends on it. attention and compile are probed on this device off
-        # the event loop (async): a kernel that cannot run here is refused at queue time. Each refusal names its
-        # input first: ComfyUI lists it under every argument, and queued_prompt keeps the copy under that input.
-        try:
+        # model_name against the listed folders (whether a folder loads depends on the pickle opt-in) and dtype;
+        # attention and compile are probed on this device off the event loop (async).
+        with Refusal() as refusal:
             if dtype is not None and dtype not in DTYPES:
                 raise WanVACEInputError(f"dtype={dtype!r} is not supported; choose one of {', '.join(DTYPES)}.")
             if model_name is not None:
@@ -148,9 +137,7 @@ class WanVACEModelLoader(io.ComfyNode):
                     raise WanVACEInputError(
                         message if message.startswith("model_name") else f"model_name={model_name!r}: {message}"
                     ) from error
-        except WanVACEError as error:
-            return str(error)
-        return await runtime_refusal(attention, compile) or True
+        return refusal.message or await runtime_refusal(attention, compile) or True
 
     @classmethod
     def execute(

@@ -9,10 +9,11 @@ from comfy_api.v0_0_2 import io
 
 from ..wanvace_core import WanVACEError, WanVACEInputError
 from ..wanvace_core.runtime.lora import LoraPatch, check_lora
-from ..wanvace_core.validation import nan_refusing_min
 from .graph_checks import check_lora_in_graph
+from .inputs import float_input
 from .model_files import resolve_listed_file
 from .queued_prompt import this_node
+from .refusals import Refusal
 from .types import CATEGORY, WanVACEModelType
 
 LORA_FOLDER = "loras"
@@ -24,14 +25,12 @@ def _lora_path(lora_name: object) -> Path:
 
 
 def _strength_input(name: str, expert: str) -> io.Float.Input:
-    return io.Float.Input(
+    return float_input(
         name,
-        default=1.0,
-        min=nan_refusing_min(-STRENGTH_RANGE),
-        max=STRENGTH_RANGE,
-        step=0.01,
-        tooltip=f"How strongly the LoRA changes the {expert} expert; 0 leaves that expert untouched. Distillation "
-        "LoRAs (Lightning, lightx2v) use 1.0 on the expert their file was made for.",
+        1.0,
+        (-STRENGTH_RANGE, STRENGTH_RANGE),
+        0.01,
+        f"How strongly the LoRA changes the {expert} expert (0 leaves it untouched).",
     )
 
 
@@ -45,25 +44,22 @@ class WanVACELoraLoader(io.ComfyNode):
             description=(
                 "Adds a LoRA to the experts for the sampling runs of the model it outputs; chain several. The loaded "
                 "weights are not changed: a branch that uses the input model directly samples without this LoRA. "
-                "Reads ComfyUI/kohya (lora_up/lora_down), PEFT/diffusers (lora_A/lora_B) and lightx2v (diff, diff_b) "
-                "files. Wan2.2 LoRAs usually come as a high-noise and a low-noise file: load each with a strength on "
-                "its own expert and 0 on the other."
+                "Wan2.2 LoRAs usually come as a high-noise and a low-noise file: load each with a strength on its own "
+                "expert and 0 on the other."
             ),
             inputs=[
                 WanVACEModelType.Input("model", tooltip="The pipeline (or the output of another WanVACE LoRA Loader)."),
                 io.Combo.Input(
                     "lora_name",
                     options=folder_paths.get_filename_list(LORA_FOLDER),
-                    tooltip="A LoRA file in ComfyUI's models/loras folder, made for Wan2.1/2.2 14B (VACE or T2V).",
+                    tooltip="A LoRA file from models/loras, made for Wan2.1/2.2 14B (VACE or T2V).",
                 ),
                 _strength_input("strength_high_noise", "high-noise (transformer)"),
                 _strength_input("strength_low_noise", "low-noise (transformer_2)"),
                 io.Boolean.Input(
                     "merge",
                     default=False,
-                    tooltip="Off: the LoRA runs beside the weights (works with every offload mode and with fp8/GGUF "
-                    "weights kept quantised). On: merged into the weights for each run and restored exactly after; "
-                    "faster steps, needs offload none and plain float weights, and a host copy of the changed weights.",
+                    tooltip="Merge into the weights for each run: faster steps; needs offload none and float weights.",
                 ),
             ],
             outputs=[
@@ -73,18 +69,15 @@ class WanVACELoraLoader(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, lora_name: str | None = None, merge: bool | None = None) -> bool | str:
-        # Only a listed name: ComfyUI 0.3.75 checks no V3 combo against its list. The file is read against the
-        # model when the node runs (the model is not known here); a merge over experts sharded across parallel
-        # workers is refused from the graph.
-        try:
+        # A listed name (the file is read against the model when the node runs), and a merge over experts sharded
+        # across parallel workers, from the graph.
+        with Refusal() as refusal:
             if lora_name is not None:
                 _lora_path(lora_name)
             graph = this_node()
             if graph is not None:
                 check_lora_in_graph(graph[0], graph[2], merge)
-        except WanVACEInputError as error:
-            return str(error)
-        return True
+        return refusal.message or True
 
     @classmethod
     def execute(

@@ -2,8 +2,8 @@
 
 ComfyUI tracks what is on the GPU as `LoadedModel` entries around `ModelPatcher` objects. Ours is a
 real `comfy.model_patcher.ModelPatcher` subclass (so every method either ComfyUI version calls
-exists and behaves) whose `model` is a weightless placeholder: the weights stay with our residency
-(`wanvace_core.runtime.offload`), which moves them itself. ComfyUI is told:
+exists and behaves) whose `model`, a `WanVACEPipelineWeights`, holds no tensors: the weights stay with
+our residency (`wanvace_core.runtime.offload`), which moves them itself. ComfyUI is told:
 
 - `model_size()`: the weight bytes we hold on the device plus the bytes about to load;
 - `loaded_size()`: the weight bytes we hold on the device now;
@@ -42,15 +42,21 @@ except ImportError:  # ComfyUI 0.3.75
 logger = logging.getLogger(__name__)
 
 
-class WanVACE(torch.nn.Module):
-    """What ComfyUI sees as the patcher's model: holds no weights; its class name appears in ComfyUI's log."""
+class WanVACEPipelineWeights(torch.nn.Module):
+    """The pipeline's weights as ComfyUI's model management sees them, the `model` of its patcher; the tensors stay
+    with our residency, so the module itself holds none.
+
+    ComfyUI sets its bookkeeping attributes on it, names its class in the log ("Requested to load
+    WanVACEPipelineWeights"), and drops the patcher's loaded-model entry when it is garbage-collected
+    (`cleanup_models`, through a weak reference): one per patcher, living as long as the patcher (see `_retired`).
+    """
 
 
 class WanVACEPatcher(comfy.model_patcher.ModelPatcher):
-    """A ModelPatcher over a weightless placeholder whose sizes come from our residency."""
+    """A ModelPatcher whose sizes come from our residency, over a `WanVACEPipelineWeights` that holds no tensors."""
 
     def __init__(self, model, load_device: torch.device) -> None:
-        super().__init__(WanVACE(), load_device=load_device, offload_device=torch.device("cpu"))
+        super().__init__(WanVACEPipelineWeights(), load_device=load_device, offload_device=torch.device("cpu"))
         self._wanvace = weakref.ref(model)  # the pipeline owns its patcher, not the other way round
         self.incoming_bytes = 0
         self.on_unload = None  # called after ComfyUI unloaded us (the loader then lets go of the pipeline)
@@ -66,7 +72,7 @@ class WanVACEPatcher(comfy.model_patcher.ModelPatcher):
         return self._held()
 
     def current_loaded_device(self) -> torch.device:
-        return self.load_device  # where our weights are used; the placeholder's own device means nothing
+        return self.load_device  # where our weights are used; the tensorless module's own device means nothing
 
     def model_dtype(self):
         model = self._wanvace()
@@ -120,7 +126,7 @@ class ComfyMemoryBroker:
 _brokers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 # Patchers whose pipeline has died. A pipeline can die inside ComfyUI's own unload (our detach drops
-# the loader's hold on it); if its patcher died with it, the placeholder's death would run ComfyUI's
+# the loader's hold on it); if its patcher died with it, its WanVACEPipelineWeights' death would run ComfyUI's
 # `cleanup_models`, which removes entries from the list of loaded models that `free_memory` is
 # walking at that moment (IndexError in ComfyUI's prompt worker, which then runs no more prompts).
 # So they are let go only from our own code, before we next call into model management.

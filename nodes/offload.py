@@ -4,8 +4,13 @@ from __future__ import annotations
 
 from comfy_api.v0_0_2 import io
 
-from ..wanvace_core import OFFLOAD_MODES, OffloadOptions, WanVACEInputError
+from ..wanvace_core import OFFLOAD_MODES, OffloadOptions
+from .inputs import int_input
+from .refusals import Refusal
 from .types import CATEGORY, WanVACEOffloadType
+
+_DEFAULTS = OffloadOptions()
+DEFAULT_MODE = "model"  # the node is for offloading; the loaders' unconnected input is mode none
 
 
 class WanVACEOffloadOptions(io.ComfyNode):
@@ -23,42 +28,32 @@ class WanVACEOffloadOptions(io.ComfyNode):
                 io.Combo.Input(
                     "mode",
                     options=list(OFFLOAD_MODES),
-                    default="model",
-                    tooltip="none: everything on the GPU (fastest, needs ~75 GB for A14B in bf16). model: each "
-                    "component moves to the GPU only while it runs, one expert at a time (~36 GB peak, a few seconds "
-                    "per switch). layerwise: blocks stream in just before they run (a few GB peak; a small slowdown "
-                    "when PCIe keeps up with compute).",
+                    default=DEFAULT_MODE,
+                    tooltip="none: all on the GPU; model: one component at a time; layerwise: blocks stream in.",
                 ),
-                io.Int.Input(
+                int_input(
                     "prefetch_blocks",
-                    default=1,
-                    min=0,
-                    max=16,
-                    tooltip="layerwise: blocks copied ahead on a side stream. Each costs one block of GPU memory "
-                    "(~0.8 GB for A14B in bf16); 1-2 hides the copy time on PCIe 4.",
+                    _DEFAULTS.prefetch_blocks,
+                    (0, 16),
+                    "layerwise: blocks copied ahead, each one block of GPU memory (1-2 hide the copy on PCIe 4).",
                 ),
-                io.Int.Input(
+                int_input(
                     "max_pinned_mb",
+                    _DEFAULTS.max_pinned_mb,
+                    (0, 1 << 20),
+                    "layerwise: cap on the pinned host memory of the copies; 0 = prefetch_blocks + 1 blocks.",
                     display_name="max_pinned_mb (0 = auto)",
-                    default=0,
-                    min=0,
-                    max=1 << 20,
-                    tooltip="layerwise: cap on pinned host memory for the staging ring; 0 = (prefetch_blocks + 1) "
-                    "blocks (~1.6 GB for A14B at prefetch 1). A cap below that prefetches fewer blocks. Weights "
-                    "themselves stay memory-mapped, never pinned.",
                 ),
             ],
             outputs=[WanVACEOffloadType.Output(display_name="offload", tooltip="Offload settings for the loader.")],
         )
 
     @classmethod
-    def validate_inputs(cls, mode: str = "model") -> bool | str:
-        # One argument only: ComfyUI lists a refusal under every argument, and range-checks the others itself.
-        try:
+    def validate_inputs(cls, mode: str = DEFAULT_MODE) -> bool | str:
+        # The combo alone; the numbers keep ComfyUI's range check.
+        with Refusal() as refusal:
             OffloadOptions(mode=mode)
-        except WanVACEInputError as error:
-            return str(error)
-        return True
+        return refusal.message or True
 
     @classmethod
     def execute(cls, mode: str, prefetch_blocks: int, max_pinned_mb: int) -> io.NodeOutput:

@@ -5,36 +5,22 @@ from __future__ import annotations
 import torch
 from comfy_api.v0_0_2 import io
 
-from ..wanvace_core import WanVACEInputError
-from ..wanvace_core.parallel import DEFAULT_ENDPOINT, LAUNCHERS, SHARD_MODES, ParallelOptions
-from ..wanvace_core.validation import nan_refusing_min, validate_range
+from ..wanvace_core.parallel import LAUNCHERS, SHARD_MODES, ParallelOptions
+from ..wanvace_core.validation import validate_range
+from .inputs import float_input, int_input
+from .refusals import Refusal
 from .types import CATEGORY, WanVACEParallelType
 
 # The widgets' range for replicate_size and ulysses_degree, checked again in validate_inputs (whose arguments skip
 # ComfyUI's range check).
 DEGREE_RANGE = (1, 64)
+_DEFAULTS = ParallelOptions()
+DEFAULT_DEVICES = "cuda:0,cuda:1"
 
 
-def parallel_options(
-    devices: str,
-    shard: str,
-    replicate_size: int,
-    ulysses_degree: int,
-    cfg_parallel: bool,
-    launcher: str,
-    endpoint: str,
-    timeout_s: float = 600.0,
-) -> ParallelOptions:
-    options = ParallelOptions.from_text(
-        devices,
-        shard=shard,
-        replicate_size=replicate_size,
-        ulysses_degree=ulysses_degree,
-        cfg_parallel=cfg_parallel,
-        launcher=launcher,
-        endpoint=endpoint,
-        timeout_s=timeout_s,
-    )
+def parallel_options(devices: str, **settings) -> ParallelOptions:
+    """The node's inputs as `ParallelOptions`, checked against the GPUs of this machine."""
+    options = ParallelOptions.from_text(devices, **settings)
     options.check_devices(torch.cuda.device_count() if options.device_type == "cuda" else 0)
     return options
 
@@ -54,67 +40,49 @@ class WanVACEParallelOptions(io.ComfyNode):
             inputs=[
                 io.String.Input(
                     "devices",
-                    default="cuda:0,cuda:1",
-                    tooltip="One worker per entry: 'cuda:0,cuda:1,cuda:2,cuda:3' (each GPU once), or 'cpu,cpu' for "
-                    "gloo CPU workers (to try it out on a CPU-only ComfyUI). With launcher=torchrun: one entry per "
-                    "torchrun rank over all machines, in rank order.",
+                    default=DEFAULT_DEVICES,
+                    tooltip="One worker per entry, like cuda:0,cuda:1 (cpu,cpu to try it out); torchrun: one per rank.",
                 ),
                 io.Combo.Input(
                     "shard",
                     options=list(SHARD_MODES),
-                    default="fsdp",
-                    tooltip="fsdp: each expert's blocks are split over the devices (of each CFG branch), every rank "
-                    "loads only its slices, and each block is gathered just for its forward; bitwise equal to one "
-                    "device. hsdp: split over groups of devices, replicated across replicate_size groups (less "
-                    "traffic between machines). none: every device holds the whole experts (Ulysses/CFG only).",
+                    default=_DEFAULTS.shard,
+                    tooltip="fsdp: each expert split over the devices; hsdp: split in groups, replicated; none: whole.",
                 ),
-                io.Int.Input(
+                int_input(
                     "replicate_size",
-                    default=1,
-                    min=DEGREE_RANGE[0],
-                    max=DEGREE_RANGE[1],
-                    tooltip="hsdp only: number of replicas (e.g. 2 machines x 4 GPUs: replicate_size 2 shards inside "
-                    "each machine). Must divide the devices and leave at least two shards. 1 otherwise.",
+                    _DEFAULTS.replicate_size,
+                    DEGREE_RANGE,
+                    "hsdp only: number of replicas, e.g. 2 for 2 machines (1 otherwise).",
                 ),
-                io.Int.Input(
+                int_input(
                     "ulysses_degree",
-                    default=1,
-                    min=DEGREE_RANGE[0],
-                    max=DEGREE_RANGE[1],
-                    tooltip="Split each video's tokens over this many devices (Ulysses sequence parallel): the main "
-                    "speed-up for one long video. Must divide the devices (of each CFG branch), the attention heads "
-                    "(40 for A14B: 1, 2, 4, 5, 8) and the token count. Results equal one device within float "
-                    "rounding. 1 = off.",
+                    _DEFAULTS.ulysses_degree,
+                    DEGREE_RANGE,
+                    "Split each video's tokens over this many devices (Ulysses sequence parallel; 1 = off).",
                 ),
                 io.Boolean.Input(
                     "cfg_parallel",
-                    default=False,
-                    tooltip="Half the devices compute the prompt's prediction, the other half the negative prompt's, "
-                    "at the same time (needs an even device count and a guidance scale above 1.0). Bitwise equal to "
-                    "one device; each half holds its own sharded copy of the experts.",
+                    default=_DEFAULTS.cfg_parallel,
+                    tooltip="Half the devices compute the prompt's prediction, the other half the negative's.",
                 ),
                 io.Combo.Input(
                     "launcher",
                     options=list(LAUNCHERS),
-                    default="local",
-                    tooltip="local: ComfyUI starts one worker per device on this machine. torchrun: the workers were "
-                    "started with torchrun on each machine (see docs/parallel.md); ComfyUI connects to rank 0 at "
-                    "endpoint.",
+                    default=_DEFAULTS.launcher,
+                    tooltip="local: ComfyUI starts the workers; torchrun: it connects to workers started by torchrun.",
                 ),
                 io.String.Input(
                     "endpoint",
-                    default=DEFAULT_ENDPOINT,
-                    tooltip="launcher=torchrun: rank 0's control address, the --serve host:port the workers were "
-                    "started with. Set the same WANVACE_WORKER_KEY environment variable for ComfyUI and the workers. "
-                    "Ignored for launcher=local.",
+                    default=_DEFAULTS.endpoint,
+                    tooltip="launcher=torchrun: rank 0's control address, the --serve host:port of the workers.",
                 ),
-                io.Float.Input(
+                float_input(
                     "timeout_s",
-                    default=600.0,
-                    min=nan_refusing_min(1.0),
-                    max=86400.0,
-                    tooltip="A worker that finishes no step (or no load) for this long is treated as hung: the prompt "
-                    "fails with its log, the workers are stopped and the next prompt starts fresh ones.",
+                    _DEFAULTS.timeout_s,
+                    (1.0, 86400.0),
+                    None,
+                    "Seconds without a finished step (or load) after which a worker counts as hung.",
                 ),
             ],
             outputs=[WanVACEParallelType.Output(display_name="parallel", tooltip="Parallel settings for a loader.")],
@@ -123,39 +91,30 @@ class WanVACEParallelOptions(io.ComfyNode):
     @classmethod
     def validate_inputs(
         cls,
-        devices: str = "cuda:0,cuda:1",
-        shard: str = "fsdp",
-        replicate_size: int = 1,
-        ulysses_degree: int = 1,
-        cfg_parallel: bool = False,
-        launcher: str = "local",
-        endpoint: str = DEFAULT_ENDPOINT,
+        devices: str = DEFAULT_DEVICES,
+        shard: str = _DEFAULTS.shard,
+        replicate_size: int = _DEFAULTS.replicate_size,
+        ulysses_degree: int = _DEFAULTS.ulysses_degree,
+        cfg_parallel: bool = _DEFAULTS.cfg_parallel,
+        launcher: str = _DEFAULTS.launcher,
+        endpoint: str = _DEFAULTS.endpoint,
     ) -> bool | str:
-        # ComfyUI lists a refusal under every argument and skips its own checks for them: these are the inputs the
-        # device-count checks combine (launcher decides whether endpoint matters). timeout_s gets ComfyUI's range
-        # check, which refuses NaN too (nan_refusing_min), under that input alone.
-        try:
-            parallel_options(devices, shard, replicate_size, ulysses_degree, cfg_parallel, launcher, endpoint)
+        # The inputs the device-count checks combine (launcher decides whether endpoint matters); timeout_s keeps
+        # ComfyUI's range check.
+        with Refusal() as refusal:
+            parallel_options(
+                devices,
+                shard=shard,
+                replicate_size=replicate_size,
+                ulysses_degree=ulysses_degree,
+                cfg_parallel=cfg_parallel,
+                launcher=launcher,
+                endpoint=endpoint,
+            )
             validate_range("replicate_size", replicate_size, *DEGREE_RANGE)
             validate_range("ulysses_degree", ulysses_degree, *DEGREE_RANGE)
-        except WanVACEInputError as error:
-            return str(error)
-        return True
+        return refusal.message or True
 
     @classmethod
-    def execute(
-        cls,
-        devices: str,
-        shard: str,
-        replicate_size: int,
-        ulysses_degree: int,
-        cfg_parallel: bool,
-        launcher: str,
-        endpoint: str,
-        timeout_s: float,
-    ) -> io.NodeOutput:
-        return io.NodeOutput(
-            parallel_options(
-                devices, shard, replicate_size, ulysses_degree, cfg_parallel, launcher, endpoint, timeout_s
-            )
-        )
+    def execute(cls, **inputs) -> io.NodeOutput:
+        return io.NodeOutput(parallel_options(**inputs))

@@ -14,9 +14,9 @@ from ..wanvace_core import (
     DEFAULT_ATTENTION,
     OffloadOptions,
     RuntimePlan,
-    WanVACEInputError,
 )
 from ..wanvace_core.parallel import ParallelOptions
+from .refusals import Refusal
 
 
 def attention_input() -> io.Combo.Input:
@@ -25,11 +25,7 @@ def attention_input() -> io.Combo.Input:
         options=list(ATTENTION_BACKENDS),
         default=DEFAULT_ATTENTION,
         optional=True,
-        tooltip="The experts' attention kernel, through diffusers' attention dispatcher. native: PyTorch SDPA, "
-        "which picks its own kernel (today's default). auto: the fastest one installed that runs on this device "
-        "(sage, then _flash_3, flash, _native_cudnn, native). _native_*: one SDPA kernel forced. sage, flash, "
-        "_flash_3, xformers: need their package (sageattention>=2.1.1, flash-attn, flash-attn 3, xformers) in "
-        "ComfyUI's Python. Changing only this re-attaches to the weights already loaded.",
+        tooltip="The experts' attention kernel: native is PyTorch SDPA, auto the fastest one installed here.",
     )
 
 
@@ -56,14 +52,10 @@ def runtime_plan(
 
 
 def _runtime_refusal(attention: str, compile: bool, fp8_matmul: bool) -> str | None:
-    with _PROBING:
-        try:
-            runtime_plan(attention=attention, fp8_matmul=fp8_matmul, compile=compile).check(
-                comfy.model_management.get_torch_device()
-            )
-        except WanVACEInputError as error:
-            return str(error)
-        return None
+    with _PROBING, Refusal() as refusal:
+        plan = runtime_plan(attention=attention, fp8_matmul=fp8_matmul, compile=compile)
+        plan.check(comfy.model_management.get_torch_device())
+    return refusal.message
 
 
 async def runtime_refusal(attention: str, compile: bool = False, fp8_matmul: bool = False) -> str | None:
@@ -79,10 +71,7 @@ def fp8_matmul_input() -> io.Boolean.Input:
         "fp8_matmul",
         default=False,
         optional=True,
-        tooltip="fp8 experts (fp8_scaled files, weight_dtype auto): multiply in fp8 with the file's weight scales "
-        "(torch._scaled_mm) instead of dequantising every weight each step. Needs a GPU with fp8 (RTX 40xx, L40, "
-        "H100 and later); refused elsewhere. Slightly less exact than off (the activations are rounded to fp8 too). "
-        "LoRAs still apply. Changing only this re-attaches to the weights already loaded.",
+        tooltip="fp8 experts (weight_dtype auto): multiply in fp8 on GPUs that have it (RTX 40xx, L40, H100 on).",
     )
 
 
@@ -91,8 +80,5 @@ def compile_input() -> io.Boolean.Input:
         "compile",
         default=False,
         optional=True,
-        tooltip="Compile each transformer block with torch.compile (inductor): faster steps once compiled. The first "
-        "step at each new video size compiles (about a minute on a GPU; later prompts at that size reuse it). Needs "
-        "Triton on a GPU or a C++ compiler on a CPU; refused at queue time where it cannot build. Works with "
-        "offload, LoRA, cache and parallel workers. Changing only this re-attaches to the weights already loaded.",
+        tooltip="Compile each block with torch.compile: faster steps after a first one per video size that compiles.",
     )

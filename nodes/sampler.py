@@ -7,7 +7,7 @@ import logging
 import comfy.model_management
 from comfy_api.v0_0_2 import io
 
-from ..wanvace_core import SCHEDULERS, SamplerSettings, WanVACEInputError, sample, to_vae_space
+from ..wanvace_core import SCHEDULERS, SamplerSettings, sample, to_vae_space
 from ..wanvace_core.generation.budget import (
     BATCHED_CFG_MODES,
     batched_cfg_decision,
@@ -17,10 +17,11 @@ from ..wanvace_core.generation.budget import (
 from ..wanvace_core.generation.schedules import validate_scheduler
 from ..wanvace_core.generation.windows import frames_per_call
 from ..wanvace_core.runtime.model import default_shift
-from ..wanvace_core.validation import nan_refusing_min
 from .comfy_sampling import stepper_for
+from .inputs import MODEL_SHIFT, float_input, shift_input
 from .memory import free_device_memory, set_working_memory
 from .preview import step_previewer
+from .refusals import Refusal
 from .types import (
     CATEGORY,
     WanVACECacheType,
@@ -30,7 +31,9 @@ from .types import (
     WanVACEModelType,
 )
 
-MODEL_DEFAULT = -1.0
+MODEL_DEFAULT = -1.0  # a boundary_ratio of -1 means the model's own
+CFG_RANGE = (1.0, 30.0)
+BATCHED_CFG_OFF = "off"  # also what prompts saved before the input get
 logger = logging.getLogger(__name__)
 
 
@@ -47,7 +50,7 @@ class WanVACESampler(io.ComfyNode):
                 "LATENT in raw VAE space (reference frames removed)."
             ),
             inputs=[
-                WanVACEModelType.Input("model", tooltip="The pipeline from WanVACE Model Loader."),
+                WanVACEModelType.Input("model", tooltip="The pipeline from a WanVACE loader."),
                 WanVACEConditioningType.Input("conditioning", tooltip="From WanVACE Conditioning."),
                 io.Int.Input(
                     "seed",
@@ -58,87 +61,62 @@ class WanVACESampler(io.ComfyNode):
                     tooltip="Noise seed; equals torch.Generator('cpu').manual_seed(seed) in diffusers.",
                 ),
                 io.Int.Input("steps", default=20, min=1, max=200, tooltip="Denoising steps; 20-40 is typical."),
-                io.Float.Input(
+                float_input(
                     "cfg",
-                    default=5.0,
-                    min=nan_refusing_min(1.0),
-                    max=30.0,
-                    step=0.1,
-                    tooltip="Guidance of the high-noise expert (and of a single-expert Wan2.1 model). 1.0 skips the "
-                    "negative pass and halves the cost of those steps.",
+                    5.0,
+                    CFG_RANGE,
+                    0.1,
+                    "Guidance of the high-noise expert (and of a Wan2.1 model); 1.0 skips the negative pass.",
                 ),
-                io.Float.Input(
+                float_input(
                     "cfg_low_noise",
-                    default=5.0,
-                    min=nan_refusing_min(1.0),
-                    max=30.0,
-                    step=0.1,
-                    tooltip="Guidance of the low-noise expert (transformer_2). 1.0 skips its negative pass.",
+                    5.0,
+                    CFG_RANGE,
+                    0.1,
+                    "Guidance of the low-noise expert; 1.0 skips its negative pass.",
                 ),
-                io.Float.Input(
+                float_input(
                     "boundary_ratio",
+                    MODEL_DEFAULT,
+                    (-1.0, 1.0),
+                    0.005,
+                    "Expert switch point as a fraction of 1000 timesteps; -1 uses the model's (0.875 for Wan2.2).",
                     display_name="boundary_ratio (-1 = model's)",
-                    default=MODEL_DEFAULT,
-                    min=nan_refusing_min(-1.0),
-                    max=1.0,
-                    step=0.005,
-                    tooltip="Expert switch point as a fraction of 1000 timesteps. -1 uses the model's value (0.875 for "
-                    "Wan2.2). 0.0 runs only the high-noise expert, 1.0 only the low-noise expert.",
                 ),
-                io.Float.Input(
-                    "shift",
-                    display_name="shift (0 = model's)",
-                    default=0.0,
-                    min=nan_refusing_min(0.0),
-                    max=100.0,
-                    step=0.1,
-                    tooltip="Flow-matching sigma shift. 0 uses the model's scheduler value (3.0); 5.0 suits 720p.",
-                ),
+                shift_input(0.1),
                 io.Combo.Input(
                     "scheduler",
                     options=list(SCHEDULERS),
-                    default="unipc",
-                    tooltip="unipc: the model's default. euler: flow Euler (ComfyUI's normal curve). dpm++, dpm++_sde, "
-                    "deis, lcm: diffusers' solvers. distill: the 4-step lightx2v schedule (use shift 5).",
+                    default=SamplerSettings.scheduler,
+                    tooltip="unipc is the model's own; distill is the 4-step lightx2v schedule (use shift 5).",
                 ),
                 WanVACECacheType.Input(
-                    "cache",
-                    optional=True,
-                    tooltip="Cache-DiT step caching from WanVACE Cache Options; unconnected = no caching.",
+                    "cache", optional=True, tooltip="Step caching from WanVACE Cache Options; unconnected = none."
                 ),
                 io.Combo.Input(
                     "batched_cfg",
                     options=list(BATCHED_CFG_MODES),
-                    default="off",
+                    default=BATCHED_CFG_OFF,
                     optional=True,
-                    tooltip="Guided steps run the positive and negative pass as one call of batch 2: fewer, larger "
-                    "kernels (faster where the GPU is not yet saturated) for twice the activation memory; results "
-                    "differ from separate passes only by float rounding. auto: batch when ComfyUI reports the free "
-                    "memory for it (the log says which ran and why). off: separate passes, as before.",
+                    tooltip="Run the positive and negative pass as one call of batch 2 (twice the activation memory).",
                 ),
                 WanVACEContextWindowsType.Input(
                     "context_windows",
                     optional=True,
-                    tooltip="Overlapping context windows from WanVACE Context Windows, for videos longer than one "
-                    "window; unconnected = the whole video at once.",
+                    tooltip="From WanVACE Context Windows, for videos longer than one window.",
                 ),
                 io.Sigmas.Input(
                     "sigmas",
                     optional=True,
-                    tooltip="A schedule (WanVACE Scheduler, SplitSigmas, custom sigmas) replacing steps, shift and "
-                    "the scheduler's curve; the experts switch where it crosses boundary_ratio.",
+                    tooltip="A schedule (WanVACE Scheduler, SplitSigmas, ...) replacing steps, shift and scheduler.",
                 ),
                 WanVACEGuidanceType.Input(
-                    "guidance",
-                    optional=True,
-                    tooltip="How each expert combines its two predictions (WanVACE Guidance Options); unconnected = "
-                    "plain cfg.",
+                    "guidance", optional=True, tooltip="From WanVACE Guidance Options; unconnected = plain cfg."
                 ),
                 io.Sampler.Input(
                     "sampler",
                     optional=True,
-                    tooltip="A ComfyUI sampler (KSamplerSelect, SamplerER_SDE, ...) stepping instead of the "
-                    "scheduler, over the sigmas input or else the scheduler's own sigmas.",
+                    tooltip="A ComfyUI sampler (KSamplerSelect, ...) stepping instead of the scheduler.",
                 ),
             ],
             outputs=[io.Latent.Output(display_name="latent", tooltip="The denoised video latent.")],
@@ -146,17 +124,13 @@ class WanVACESampler(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, scheduler: str | None = None, batched_cfg: str | None = None) -> bool | str:
-        # Only the combos ComfyUI 0.3.75 does not check on V3 nodes (0.33 does, but skips its check for arguments
-        # of validate_inputs, so they are checked here for both). The floats get ComfyUI's range check, which
-        # refuses NaN too (nan_refusing_min) and +-inf, under that input alone. Each refusal names its input first.
-        try:
+        # The combos alone; the numbers keep ComfyUI's range check.
+        with Refusal() as refusal:
             if scheduler is not None:
                 validate_scheduler(scheduler)
             if batched_cfg is not None:
                 validate_batched_cfg(batched_cfg)
-        except WanVACEInputError as error:
-            return str(error)
-        return True
+        return refusal.message or True
 
     @classmethod
     def execute(
@@ -171,7 +145,7 @@ class WanVACESampler(io.ComfyNode):
         shift: float,
         scheduler: str,
         cache=None,
-        batched_cfg: str = "off",
+        batched_cfg: str = BATCHED_CFG_OFF,
         context_windows=None,
         sigmas=None,
         sampler=None,
@@ -185,7 +159,7 @@ class WanVACESampler(io.ComfyNode):
             cfg=cfg,
             cfg_low_noise=cfg_low_noise,
             boundary_ratio=None if boundary_ratio < 0 else boundary_ratio,
-            shift=None if shift <= 0 else shift,
+            shift=None if shift <= MODEL_SHIFT else shift,
             scheduler=scheduler,
             sigmas=None if sigmas is None else tuple(sigmas.tolist()),
         )

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from comfy_api.v0_0_2 import io
 
-from ..wanvace_core import WanVACEInputError
 from ..wanvace_core.generation.tiling import TILING_MODES, VAETiling
 from ..wanvace_core.validation import validate_range
+from .inputs import int_input
 from .memory import free_device_memory
 
 _DEFAULT = VAETiling()
 # Optional, so that prompts saved before these inputs existed (API prompts carry no value for them, and
 # ComfyUI refuses a missing required input) still run, with the defaults.
 TILED, TILE_SIZE, TILE_OVERLAP = "tiled", "tile_size", "tile_overlap"
-# The widgets' ranges, checked again in validate_tiling_inputs (validate_inputs arguments skip ComfyUI's check).
+# The widgets' ranges, checked again in check_tiling_inputs (validate_inputs arguments skip ComfyUI's check).
 TILE_SIZE_RANGE = (64, 4096)
 TILE_OVERLAP_RANGE = (0, 4088)
 
@@ -26,31 +26,23 @@ def tiling_inputs(prefix: str = "") -> list[io.Input]:
             options=list(TILING_MODES),
             default=_DEFAULT.mode,
             optional=True,
-            tooltip="Split each frame into overlapping tiles for the VAE (diffusers' tiling), to fit 720p on a "
-            "16-24 GB GPU. auto: tiled only when the untiled pass's estimated peak exceeds the free device memory; "
-            "on: always (a frame larger than one tile); off: never. Tiling is spatial only: the Wan VAE already "
-            "works 4 video frames (one latent frame) at a time, so the length adds no activation memory and there is "
-            "no temporal tile setting.",
+            tooltip="Run the VAE on overlapping tiles of each frame: auto when the untiled pass would not fit.",
         ),
-        io.Int.Input(
+        int_input(
             prefix + TILE_SIZE,
-            default=_DEFAULT.tile_size,
-            min=TILE_SIZE_RANGE[0],
-            max=TILE_SIZE_RANGE[1],
+            _DEFAULT.tile_size,
+            TILE_SIZE_RANGE,
+            "Tile width and height in pixels, a multiple of 8; smaller needs less memory and takes longer.",
             step=8,
             optional=True,
-            tooltip="Tile width and height in pixels, a multiple of 8 (diffusers' tile_sample_min_height/width). "
-            "Smaller tiles need less memory and take longer.",
         ),
-        io.Int.Input(
+        int_input(
             prefix + TILE_OVERLAP,
-            default=_DEFAULT.overlap,
-            min=TILE_OVERLAP_RANGE[0],
-            max=TILE_OVERLAP_RANGE[1],
+            _DEFAULT.overlap,
+            TILE_OVERLAP_RANGE,
+            "Pixels neighbouring tiles share, a multiple of 8 below tile_size; more hides seams.",
             step=8,
             optional=True,
-            tooltip="Pixels by which neighbouring tiles overlap and are blended, a multiple of 8 below tile_size "
-            "(tile_size - overlap is diffusers' tile stride). More overlap hides seams and costs time.",
         ),
     ]
 
@@ -62,23 +54,19 @@ def tiling_from_inputs(
     return VAETiling(mode=tiled, tile_size=tile_size, overlap=tile_overlap)
 
 
-def validate_tiling_inputs(tiled=None, tile_size=None, tile_overlap=None) -> bool | str:
-    """For a node's `validate_inputs`: True, or the refusal.
+def check_tiling_inputs(tiled=None, tile_size=None, tile_overlap=None) -> None:
+    """For a node's `validate_inputs`: raises `WanVACEInputError` naming the input.
 
     None is an input linked (its value unknown until the prompt runs) or left out: the other is checked against the
     value that refuses none of it (the largest tile, no overlap), not against the default; the node checks again when
     it runs."""
-    try:
-        tiling = tiling_from_inputs(
-            _DEFAULT.mode if tiled is None else tiled,
-            TILE_SIZE_RANGE[1] if tile_size is None else tile_size,
-            TILE_OVERLAP_RANGE[0] if tile_overlap is None else tile_overlap,
-        )
-        validate_range(TILE_SIZE, tiling.tile_size, *TILE_SIZE_RANGE)
-        validate_range(TILE_OVERLAP, tiling.overlap, *TILE_OVERLAP_RANGE)
-    except WanVACEInputError as error:
-        return str(error)
-    return True
+    tiling = tiling_from_inputs(
+        _DEFAULT.mode if tiled is None else tiled,
+        TILE_SIZE_RANGE[1] if tile_size is None else tile_size,
+        TILE_OVERLAP_RANGE[0] if tile_overlap is None else tile_overlap,
+    )
+    validate_range(TILE_SIZE, tiling.tile_size, *TILE_SIZE_RANGE)
+    validate_range(TILE_OVERLAP, tiling.overlap, *TILE_OVERLAP_RANGE)
 
 
 def free_device_bytes(model) -> int:
