@@ -28,8 +28,16 @@ from ..wanvace_core.validation import nan_refusing_min
 from .held import load_or_reuse
 from .model_files import list_weight_files, refuse_unlisted, resolve_listed_file, where_to_get
 from .refusals import Refusal
-from .runtime_inputs import attention_input, compile_input, fp8_matmul_input, runtime_plan, runtime_refusal
-from .types import CATEGORY, WanVACEModelType, WanVACEOffloadType, WanVACEParallelType
+from .runtime_inputs import (
+    attention_input,
+    compile_input,
+    dtype_input,
+    fp8_matmul_input,
+    placement_inputs,
+    runtime_plan,
+    runtime_refusal,
+)
+from .types import CATEGORY, WanVACEModelType
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +121,16 @@ def size_limits_of_expert_inputs(inputs: dict) -> SizeLimits | None:
     return size_limits_of_layouts(inspect_expert_files(files))
 
 
+def _vace_module_input(noise: str) -> io.Combo.Input:
+    return io.Combo.Input(
+        f"{noise}_noise_vace_module",
+        options=[NONE, *list_weight_files("diffusion_models")],
+        default=NONE,
+        optional=True,
+        tooltip=f"Kijai's VACE module for a Wan2.2-T2V {noise}-noise expert (none for a VACE expert).",
+    )
+
+
 class WanVACEExpertsLoader(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -149,12 +167,7 @@ class WanVACEExpertsLoader(io.ComfyNode):
                     options=list_weight_files("vae"),
                     tooltip="The Wan 2.1 VAE from models/vae (wan_2.1_vae.safetensors).",
                 ),
-                io.Combo.Input(
-                    "dtype",
-                    options=list(DTYPES),
-                    default="bf16",
-                    tooltip="Compute dtype, and that of every weight not kept quantised; bf16 is the trained one.",
-                ),
+                dtype_input("Compute dtype, and that of every weight not kept quantised; bf16 is the trained one."),
                 io.Combo.Input(
                     "weight_dtype",
                     options=list(WEIGHT_DTYPES),
@@ -169,30 +182,8 @@ class WanVACEExpertsLoader(io.ComfyNode):
                     step=0.005,
                     tooltip="The high-noise expert runs while timestep >= this x 1000, the low-noise one after.",
                 ),
-                io.Combo.Input(
-                    "high_noise_vace_module",
-                    options=[NONE, *experts],
-                    default=NONE,
-                    optional=True,
-                    tooltip="Kijai's VACE module for a Wan2.2-T2V high-noise expert (none for a VACE expert).",
-                ),
-                io.Combo.Input(
-                    "low_noise_vace_module",
-                    options=[NONE, *experts],
-                    default=NONE,
-                    optional=True,
-                    tooltip="Kijai's VACE module for a Wan2.2-T2V low-noise expert (none for a VACE expert).",
-                ),
-                WanVACEOffloadType.Input(
-                    "offload",
-                    optional=True,
-                    tooltip="From WanVACE Offload Options; unconnected = everything on the GPU.",
-                ),
-                WanVACEParallelType.Input(
-                    "parallel",
-                    optional=True,
-                    tooltip="From WanVACE Parallel Options: the experts run in worker processes; unconnected = here.",
-                ),
+                *(_vace_module_input(noise) for noise in ("high", "low")),
+                *placement_inputs(),
                 attention_input(),
                 fp8_matmul_input(),
                 compile_input(),

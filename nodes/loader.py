@@ -32,8 +32,8 @@ from .experts_loader import load_experts_or_reuse
 from .held import load_or_reuse
 from .model_files import folder_roots, resolve_listed_folder
 from .refusals import Refusal
-from .runtime_inputs import attention_input, compile_input, runtime_plan, runtime_refusal
-from .types import CATEGORY, WanVACEModelType, WanVACEOffloadType, WanVACEParallelType
+from .runtime_inputs import attention_input, compile_input, dtype_input, placement_inputs, runtime_plan, runtime_refusal
+from .types import CATEGORY, WanVACEModelType
 
 MODEL_FOLDER = "diffusers"
 logger = logging.getLogger(__name__)
@@ -83,28 +83,14 @@ class WanVACEModelLoader(io.ComfyNode):
                     options=list_model_folders(),
                     tooltip="A pipeline folder under models/diffusers: a diffusers one, or the original release.",
                 ),
-                io.Combo.Input(
-                    "dtype",
-                    options=list(DTYPES),
-                    default="bf16",
-                    tooltip="Weight and compute dtype; bf16 is what the model was trained in.",
-                ),
+                dtype_input("Weight and compute dtype; bf16 is what the model was trained in."),
                 io.Boolean.Input(
                     "allow_pth_weights",
                     default=False,
                     optional=True,
                     tooltip="Read the original release's .pth pickles (turn on only for files from a trusted source).",
                 ),
-                WanVACEOffloadType.Input(
-                    "offload",
-                    optional=True,
-                    tooltip="From WanVACE Offload Options; unconnected = everything on the GPU.",
-                ),
-                WanVACEParallelType.Input(
-                    "parallel",
-                    optional=True,
-                    tooltip="From WanVACE Parallel Options: the experts run in worker processes; unconnected = here.",
-                ),
+                *placement_inputs(),
                 attention_input(),
                 compile_input(),
             ],

@@ -12,11 +12,31 @@ from comfy_api.v0_0_2 import io
 from ..wanvace_core import (
     ATTENTION_BACKENDS,
     DEFAULT_ATTENTION,
+    DTYPES,
     OffloadOptions,
     RuntimePlan,
 )
 from ..wanvace_core.parallel import ParallelOptions
 from .refusals import Refusal
+from .types import WanVACEOffloadType, WanVACEParallelType
+
+
+def dtype_input(tooltip: str) -> io.Combo.Input:
+    return io.Combo.Input("dtype", options=list(DTYPES), default="bf16", tooltip=tooltip)
+
+
+def placement_inputs() -> list:
+    """The loader's optional offload and parallel inputs (the plan's placement of the weights)."""
+    return [
+        WanVACEOffloadType.Input(
+            "offload", optional=True, tooltip="From WanVACE Offload Options; unconnected = everything on the GPU."
+        ),
+        WanVACEParallelType.Input(
+            "parallel",
+            optional=True,
+            tooltip="From WanVACE Parallel Options: the experts run in worker processes; unconnected = here.",
+        ),
+    ]
 
 
 def attention_input() -> io.Combo.Input:

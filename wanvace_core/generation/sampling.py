@@ -319,21 +319,19 @@ def sample(
     # Before the first step: a size the model's RoPE table cannot hold fails deep inside it.
     check_frames(size_limits_of(model), cond.length, cond.num_reference_images, windows)
     if model.remote is not None:
+        run = {
+            "cond": cond,
+            "settings": settings,
+            "cache": cache,
+            "tokens": sequence_length(model, cond, windows),
+            "batched_cfg": batched_cfg,
+            "windows": windows,
+            "rules": rules,
+            "loras": model.loras,
+        }
         if stepper is not None:
-            return _outside_steps_in_workers(
-                model, cond, settings, callback, cache, stepper, batched_cfg, windows, rules
-            )
-        latents, report = model.remote.sample(
-            cond,
-            settings,
-            callback,
-            cache,
-            tokens=sequence_length(model, cond, windows),
-            batched_cfg=batched_cfg,
-            windows=windows,
-            rules=rules,
-            loras=model.loras,
-        )
+            return _outside_steps_in_workers(model, run, callback, stepper)
+        latents, report = model.remote.sample(callback=callback, **run)
         return SampleResult(latents=latents, cache_report=None if report is None else CacheReport.from_plain(report))
     guidance = guidance or (BatchedGuidance() if batched_cfg else Guidance())
     _check_conditioning_matches(model, cond)
@@ -401,36 +399,19 @@ def _call_sigmas(stepper: stepping.Stepper, sigmas: torch.Tensor, cache: CacheOp
 
 
 def _outside_steps_in_workers(
-    model: WanVACEModel,
-    cond: VACEConditioning,
-    settings: SamplerSettings,
-    callback: StepCallback | None,
-    cache: CacheOptions | None,
-    stepper: stepping.Stepper,
-    batched_cfg: bool,
-    windows: ContextWindowOptions | None,
-    rules: GuidanceOptions | None,
+    model: WanVACEModel, run: dict, callback: StepCallback | None, stepper: stepping.Stepper
 ) -> SampleResult:
-    """The outside solver runs here and the experts in the workers: each of its denoiser calls is one round trip
-    (`RemoteExperts.stepped`), where the workers' own `sample` answers it with the same predictor, so the run
-    equals the one-process run as the workers' built-in loop does."""
+    """The outside solver runs here and the experts in the workers (`run`: the request's fields): each of its denoiser
+    calls is one round trip (`RemoteExperts.stepped`), where the workers' own `sample` answers it with the same
+    predictor, so the run equals the one-process run as the workers' built-in loop does."""
+    cond, settings = run["cond"], run["settings"]
     _, timesteps, sigmas = _schedule(model, settings, stepper)
     plan = _plan(model, settings)
     _check_schedule_reaches_the_high_noise_expert(plan, settings, timesteps, model.num_train_timesteps)
-    call_sigmas = _call_sigmas(stepper, sigmas, cache)
+    call_sigmas = _call_sigmas(stepper, sigmas, run["cache"])
     negative_pass_everywhere = all(plan.pick(model, t, settings)[1] > 1.0 for t in timesteps)
     noise = initial_noise(model, cond, settings.seed)
-    with model.remote.stepped(
-        cond,
-        settings,
-        cache,
-        tokens=sequence_length(model, cond, windows),
-        call_sigmas=call_sigmas,
-        batched_cfg=batched_cfg,
-        windows=windows,
-        rules=rules,
-        loras=model.loras,
-    ) as workers:
+    with model.remote.stepped(call_sigmas=call_sigmas, **run) as workers:
         denoiser = _WorkersDenoiser(workers, negative_pass_everywhere)
         latents = stepper.run(denoiser, noise, sigmas, settings.seed, callback or (lambda *_: None))
     report = workers.report

@@ -54,14 +54,17 @@ class StoreRelay:
 
     def receive(self) -> tuple[int, bytes]:
         key = f"request{self.sequence}"
+        self._wait_for(key)
+        self.sequence += 1
+        return self.sequence - 1, self._get(key)
+
+    def _wait_for(self, key: str) -> None:
         while True:
             try:
                 self.store.wait([key], _POLL)
-                break
+                return
             except dist.DistStoreError:
                 continue
-        self.sequence += 1
-        return self.sequence - 1, self._get(key)
 
     # The store takes large values badly (a 16 MB value reset the connection): values travel in chunks.
     def _set(self, key: str, data: bytes) -> None:
@@ -111,12 +114,7 @@ class StoreRelay:
 
     def call(self, request: int, call: int) -> bytes:
         key = f"call{request}/{call}"
-        while True:
-            try:
-                self.store.wait([key], _POLL)
-                break
-            except dist.DistStoreError:
-                continue
+        self._wait_for(key)
         data = self._get(key)
         self.store.add(f"{key}/read", 1)
         return data
