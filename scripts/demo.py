@@ -82,9 +82,9 @@ def main(argv: list[str]) -> int:
     import av
     import transformers
     from comfy_server import ComfyServer, write_example_inputs
-    from workflow_graphs import TINY_MODEL, for_tiny_model
 
     from wanvace_core.load.tiny import write_tiny_pipeline
+    from workflow_graphs import TINY_MODEL, for_tiny_model
 
     transformers.utils.logging.disable_progress_bar()
 

@@ -1,4 +1,4 @@
-"""Regenerate the shipped workflows from `tests/workflow_graphs.py`.
+"""Regenerate the shipped workflows from the package `workflow_graphs/`.
 
 Writes, for every workflow in WORKFLOWS:
 
@@ -72,6 +72,8 @@ for _p in (str(TESTS_DIR), str(REPO_ROOT), str(Path(__file__).resolve().parent))
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
+from workflow_layout import SOCKET_RUN, Box, Router, crossings, link_points  # noqa: E402
+
 from workflow_graphs import (  # noqa: E402
     GROUP_COLORS,
     MODEL_FILES,
@@ -84,7 +86,6 @@ from workflow_graphs import (  # noqa: E402
     build_api_workflow,
     build_ui_layout,
 )
-from workflow_layout import SOCKET_RUN, Box, Router, crossings, link_points  # noqa: E402
 
 API_DIR = REPO_ROOT / "example_workflows" / "api"
 UI_DIR = REPO_ROOT / "example_workflows"

@@ -36,10 +36,9 @@ def write_lora_files(models_root: Path, tiny_folder: Path) -> dict[str, Path]:
     The Lightning files are written the way lightx2v's are (ComfyUI names, low-rank pairs plus diff/diff_b and
     norm differences), the style LoRA as a kohya/ComfyUI file; each file gets its own random tensors.
     """
-    from workflow_graphs import LIGHTNING_VARIANT, LORA_FILES
-
     from tests.lora_files import write_lora_file
     from wanvace_core import load_pipeline
+    from workflow_graphs import LIGHTNING_VARIANT, LORA_FILES
 
     expert = load_pipeline(tiny_folder, "fp32").transformer
     written = {}

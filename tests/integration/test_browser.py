@@ -3,7 +3,7 @@
 `scripts/make_workflows.py` writes `example_workflows/<title>.json` (UI format; the template browser of
 frontends 1.32 and 1.49 titles a pack's template with its file name), its thumbnail
 `example_workflows/<title>.jpg`, and `example_workflows/api/wanvace_<name>.json` (API format), all from
-`tests/workflow_graphs.py`. The pack copies `example_inputs/` into ComfyUI's input folder when it
+the package `workflow_graphs/`. The pack copies `example_inputs/` into ComfyUI's input folder when it
 loads (`nodes/examples.py`), so the files the workflows name are there.
 
 In the graph editor of the set under test (headless Chromium, tests/browser/check_workflows.mjs)
@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 from comfy_server import PACKAGE_DIR_NAME, REPO_ROOT, ComfyServer, check_workflows_in_browser
+
 from workflow_graphs import (
     EXAMPLE_INPUTS,
     EXTENSION_GIVEN_FRAMES,

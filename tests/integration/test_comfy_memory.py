@@ -14,7 +14,9 @@ import pytest
 import torch
 from comfy_server import ComfyServer
 from safetensors.torch import load_file
-from workflow_graphs import TINY_MODEL, for_tiny_model, node_id_of
+
+from tests.support.api_graphs import node_id_of
+from workflow_graphs import TINY_MODEL, for_tiny_model
 
 pytestmark = pytest.mark.integration
 

@@ -23,10 +23,10 @@ import pytest
 import torch
 from comfy_server import ComfyServer, require_comfyui
 from safetensors.torch import load_file
-from workflow_graphs import for_tiny_model
 
 from wanvace_core.parallel import DEFAULT_ENDPOINT
 from wanvace_core.parallel.launcher import cpu_threads_per_worker
+from workflow_graphs import for_tiny_model
 
 pytestmark = pytest.mark.integration
 

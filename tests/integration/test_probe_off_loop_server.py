@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from comfy_server import ComfyServer, require_comfyui
+
 from workflow_graphs import for_tiny_model
 
 pytestmark = pytest.mark.integration

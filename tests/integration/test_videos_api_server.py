@@ -18,9 +18,10 @@ import numpy as np
 import PIL.Image
 import pytest
 from comfy_server import ComfyServer, require_comfyui
-from workflow_graphs import TINY_MODEL, for_tiny_model, node_id_of
 
+from tests.support.api_graphs import node_id_of
 from tests.vace_tasks import lossless_video
+from workflow_graphs import TINY_MODEL, for_tiny_model
 
 pytestmark = [
     pytest.mark.integration,

@@ -12,15 +12,9 @@ import requests
 import torch
 from comfy_server import count_video_frames
 from safetensors.torch import load_file
-from workflow_graphs import (
-    LONG_VARIANT,
-    TINY_MODEL,
-    WORKFLOWS,
-    for_tiny_model,
-    loader_class,
-    node_id_of,
-    nodes_of_type,
-)
+
+from tests.support.api_graphs import node_id_of, nodes_of_type
+from workflow_graphs import LONG_VARIANT, TINY_MODEL, WORKFLOWS, for_tiny_model, loader_class
 
 pytestmark = pytest.mark.integration
 
