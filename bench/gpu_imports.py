@@ -31,7 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 H200_PACKAGES = REPO / "bench" / "h200_packages.txt"
 WHEEL_LOCK = REPO / "bench" / "gpu_wheels.lock.json"
-OURS = ("wanvace_core", "tests", "bench")
+OURS = ("wanvace_core", "tests", "bench", "scripts", "workflow_graphs")
 COMFY = "comfy"  # ComfyUI's package: from the tree gpu_wheels.sh copies, not a distribution
 # The benches bench/gpu_check.sh runs (each bench's own `bench.`/`tests.` imports are followed from these).
 GPU_BENCHES = (

@@ -46,7 +46,7 @@ _FAILURE_GRACE_S = 5.0
 # What the fork server imports before it forks the first rank: what every rank function needs.
 _PRELOAD = [
     "tests.distributed",
-    "tests.rss",
+    "bench.rss",
     "wanvace_core.worker",
     "wanvace_core.parallel.sharding",
     "wanvace_core.parallel.sequence",

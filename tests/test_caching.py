@@ -6,7 +6,7 @@ import pytest
 import torch
 from diffusers import WanVACEPipeline
 
-from tests.metrics import count_block_calls, expected_block_calls, psnr
+from bench.metrics import count_block_calls, expected_block_calls, psnr
 from tests.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH, build_task
 from wanvace_core import (
     CacheOptions,

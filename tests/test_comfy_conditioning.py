@@ -24,8 +24,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.comfy_server import COMFY_SKIPPED, DEFAULT_COMFY_DIR
+from scripts.comfy_server import DEFAULT_COMFY_DIR
 from tests.single_files import comfy_components, write_umt5
+from tests.support.comfyui import COMFY_SKIPPED
 from tests.vace_tasks import HEIGHT, LENGTH, WIDTH
 from wanvace_core import SamplerSettings, VACEInputs, WanVACEInputError, load_pipeline, prepare_conditioning, sample
 from wanvace_core.generation.conditioning import (

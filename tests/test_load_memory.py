@@ -27,7 +27,7 @@ import sys
 
 import pytest
 
-from tests.rss import (
+from bench.rss import (
     SINGLE_FILE_LOADER,
     measure_loads_in_forks,
     random_transformer,

@@ -164,7 +164,8 @@ def test_offload_per_rank_composes_with_sharding_and_ulysses(tiny_folder, refere
 
 def test_single_files_shard_in_the_workers_bitwise(tmp_path, serving, comfy_components_default):
     """Comfy-style single files (original Wan keys), sharded by the workers from the files' rows."""
-    from tests.single_files import write_expert, write_umt5, write_vae
+    from bench.expert_files import write_expert
+    from tests.single_files import write_umt5, write_vae
     from wanvace_core import ExpertFiles, load_expert_files
     from wanvace_core.load.tiny import sentencepiece_model_bytes
 

@@ -28,9 +28,10 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from bench.expert_files import PREFIX, original_wan_state_dict, write_expert
+from bench.rss import PeakSampler, random_transformer, read_status
 from tests.distributed import run_ranks
-from tests.rss import PeakSampler, random_transformer, read_status
-from tests.single_files import PREFIX, original_wan_state_dict, truncate_copy, write_expert
+from tests.single_files import truncate_copy
 from tests.vace_tasks import NEGATIVE, PROMPT
 from wanvace_core import (
     ExpertFiles,

@@ -16,17 +16,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from bench.expert_files import PREFIX, write_expert
 from tests.original_release import wan_t5_state_dict, write_original_release
-from tests.single_files import (
-    PREFIX,
-    expert_files,
-    fp8_tolerance,
-    non_wan_file,
-    truncate_copy,
-    write_expert,
-    write_umt5,
-    write_vae,
-)
+from tests.single_files import expert_files, fp8_tolerance, non_wan_file, truncate_copy, write_umt5, write_vae
 from wanvace_core import (
     ExpertFiles,
     OffloadOptions,

@@ -301,7 +301,8 @@ def test_decode_node_in_comfyui(tiny_folder):
     import sys
     from pathlib import Path
 
-    from tests.comfy_server import COMFY_SKIPPED, DEFAULT_COMFY_DIR
+    from scripts.comfy_server import DEFAULT_COMFY_DIR
+    from tests.support.comfyui import COMFY_SKIPPED
 
     if COMFY_SKIPPED or not (DEFAULT_COMFY_DIR / "comfy").is_dir():
         pytest.skip(COMFY_SKIPPED or f"no ComfyUI tree at {DEFAULT_COMFY_DIR}")

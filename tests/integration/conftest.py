@@ -18,7 +18,9 @@ for _p in (str(_TESTS_DIR), str(_REPO_ROOT)):
         sys.path.insert(0, _p)
 
 from comfy_models import write_lora_files, write_single_files  # noqa: E402
-from comfy_server import ComfyServer, require_comfyui, write_example_inputs  # noqa: E402
+
+from scripts.comfy_server import ComfyServer, write_example_inputs  # noqa: E402
+from tests.support.comfyui import require_comfyui  # noqa: E402
 
 TINY_TWO_EXPERTS = "wanvace-tiny"
 TINY_SINGLE_EXPERT = "wanvace21-tiny"

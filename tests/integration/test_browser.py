@@ -28,8 +28,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-from comfy_server import PACKAGE_DIR_NAME, REPO_ROOT, ComfyServer, check_workflows_in_browser
 
+from scripts.comfy_server import PACKAGE_DIR_NAME, REPO_ROOT, ComfyServer, check_workflows_in_browser
+from tests.support.comfyui import require_comfyui
 from workflow_graphs import (
     EXAMPLE_INPUTS,
     EXTENSION_GIVEN_FRAMES,
@@ -522,6 +523,7 @@ def test_loaders_offer_the_example_inputs(object_info):
 
 def test_the_pack_copies_example_inputs_at_load_without_overwriting(tmp_path):
     """A fresh ComfyUI whose input folder holds a user's file of the same name as an example."""
+    require_comfyui()
     server = ComfyServer(tmp_path / "base")
     server.prepare()
     mine = server.base_dir / "input" / EXAMPLE_INPUTS["first"]
@@ -759,6 +761,7 @@ MISSING_TASKS = ("i2v_fp8", "t2v_lightning")
 @pytest.fixture(scope="module")
 def bare_server(tmp_path_factory):
     """A ComfyUI with this package and no model files."""
+    require_comfyui()
     server = ComfyServer(tmp_path_factory.mktemp("bare_comfy") / "base")
     server.start(timeout=180)
     try:

@@ -30,7 +30,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.metrics import psnr
+from bench.metrics import psnr
 from tests.single_files import write_umt5, write_vae
 from tests.test_comfy_conditioning import LATENT_ATOL, comfy_encode
 from wanvace_core.load.tiny import sentencepiece_model_bytes
