@@ -1,5 +1,5 @@
 """One diffusers Wan VACE expert written as the single files ComfyUI users have: original Wan keys, plain or fp8, and
-city96-style GGUF. bench/bench_load.py measures loading them; the tests write them too (tests/single_files.py
+city96-style GGUF. bench/bench_load.py measures loading them; the tests write them too (tests/support/single_files.py
 adds the text encoder, the VAE, a whole `models/` tree, and the readers that check what was written).
 
 The formats were read from ComfyUI 0.3.75 and 0.33 (`comfy/utils.py:convert_old_quants`, `comfy/ops.py`,

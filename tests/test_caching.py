@@ -7,7 +7,7 @@ import torch
 from diffusers import WanVACEPipeline
 
 from bench.metrics import count_block_calls, expected_block_calls, psnr
-from tests.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH, build_task
+from tests.support.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH, build_task
 from wanvace_core import (
     CacheOptions,
     ExpertCacheLimits,

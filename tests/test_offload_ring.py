@@ -12,7 +12,7 @@ import contextlib
 import pytest
 import torch
 
-from tests.simulated_streams import ForgetsHostSync, ForgetsStreamWaits, SimulatedStreamOps, StreamHazard
+from tests.support.simulated_streams import ForgetsHostSync, ForgetsStreamWaits, SimulatedStreamOps, StreamHazard
 from tests.test_offload import _run
 from wanvace_core import (
     CacheOptions,

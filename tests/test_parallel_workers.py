@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-from tests.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH
+from tests.support.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH
 from wanvace_core import (
     CacheOptions,
     ContextWindowOptions,
@@ -348,7 +348,7 @@ def test_requests_of_720p_size_cross_the_store_whole():
 
     import torch.distributed as dist
 
-    from tests.distributed import hosted_store
+    from tests.support.distributed import hosted_store
     from wanvace_core.worker import StoreRelay
 
     host = hosted_store()

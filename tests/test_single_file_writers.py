@@ -1,4 +1,4 @@
-"""The single-file writers of bench/expert_files.py and tests/single_files.py are self-consistent: names invert
+"""The single-file writers of bench/expert_files.py and tests/support/single_files.py are self-consistent: names invert
 diffusers' own converters, quantised weights come back within their quantisation error, GGUF files read back with
 gguf-py. That ComfyUI itself accepts the files is tests/integration/test_comfy_accepts_files.py."""
 
@@ -8,12 +8,12 @@ import json
 
 import numpy as np
 import pytest
-import single_files as sf
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 from bench import expert_files as ef
+from tests.support import single_files as sf
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -119,7 +119,7 @@ def test_tiled_encode_is_close_to_untiled(model):
 
 @pytest.mark.slow
 def test_prepare_conditioning_tiles_the_control_video_encode(model):
-    from tests.vace_tasks import NEGATIVE, PROMPT
+    from tests.support.vace_tasks import NEGATIVE, PROMPT
     from wanvace_core import VACEInputs, prepare_conditioning
 
     frames = 1 + 4 * (LATENT_FRAMES - 1)

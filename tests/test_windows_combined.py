@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from bench.metrics import count_block_calls, expected_block_calls, psnr
-from tests.lora_files import hand_merged, lora_content, rehomed, write_lora
-from tests.vace_tasks import LONG, long_inputs
+from tests.support.lora_files import hand_merged, lora_content, rehomed, write_lora
+from tests.support.vace_tasks import LONG, long_inputs
 from wanvace_core import (
     CacheOptions,
     ExpertCacheLimits,

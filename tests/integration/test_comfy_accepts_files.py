@@ -1,5 +1,5 @@
-"""ComfyUI's own code accepts the single files bench/expert_files.py and tests/single_files.py write, in this set's
-ComfyUI.
+"""ComfyUI's own code accepts the single files bench/expert_files.py and tests/support/single_files.py write, in this
+set's ComfyUI.
 
 Each check group runs ComfyUI in a subprocess (this file run as a script, cwd = the ComfyUI tree,
 `--cpu`), so ComfyUI's globals never reach pytest:
@@ -31,14 +31,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-_TESTS = Path(__file__).resolve().parents[1]
-for _p in (str(_TESTS), str(_TESTS.parent)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
-import single_files as sf  # noqa: E402
+# Run as a script (the ComfyUI side), this file needs the repository on the path for its helpers.
+_REPO = Path(__file__).resolve().parents[2]
+if str(_REPO) not in sys.path:
+    sys.path.insert(0, str(_REPO))
 
 from bench import expert_files as ef  # noqa: E402
+from tests.support import single_files as sf  # noqa: E402
 
 pytestmark = pytest.mark.integration
 

@@ -99,7 +99,7 @@ def test_strength_zero_on_both_experts_equals_no_lora(comfy_server):
 
 
 def test_a_lora_for_another_model_is_refused_naming_the_file_and_key(comfy_server, comfy_base, tmp_path):
-    from tests.lora_files import write_lora_file
+    from tests.support.lora_files import write_lora_file
     from wanvace_core import load_pipeline
     from wanvace_core.load.tiny import TinyModelSpec, write_tiny_pipeline
 

@@ -22,7 +22,7 @@ from bench.rss import read_status
 from scripts.comfy_server import ComfyServer
 from tests.support.api_graphs import node_id_of
 from tests.support.comfyui import require_comfyui
-from tests.vace_tasks import lossless_video
+from tests.support.vace_tasks import lossless_video
 from workflow_graphs import TINY_MODEL, for_tiny_model
 
 pytestmark = [

@@ -16,7 +16,7 @@ import torch
 from scripts.comfy_server import DEFAULT_COMFY_DIR
 from tests.support.comfyui import COMFY_SKIPPED
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def enter_comfyui() -> None:

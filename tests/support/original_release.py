@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import save_file
 
 from bench.expert_files import original_wan_state_dict
-from tests.single_files import original_wan_vae_state_dict
+from tests.support.single_files import original_wan_vae_state_dict
 from wanvace_core.load.tiny import write_tokenizer_files
 
 
