@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.metrics import psnr
+from bench.metrics import psnr
 from wanvace_core import (
     CacheOptions,
     ExpertCacheLimits,

@@ -6,7 +6,7 @@
 
 Writes one random-weight `WanVACETransformer3DModel` in bf16 to a temporary folder (or reuses `--folder
 DIR`) as a diffusers component folder (`transformer/`) and as ComfyUI-style single files
-(tests/single_files.py writers: original Wan keys in bf16, legacy scaled fp8, GGUF Q8_0). Then, each in
+(bench/expert_files.py writers: original Wan keys in bf16, legacy scaled fp8, GGUF Q8_0). Then, each in
 a fresh subprocess so that every load starts from the same clean baseline, it loads:
 
 - the folder into each target dtype with `wanvace_core.load.pipeline_folder.load_component` ("folder ours") and
@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.rss import (
+from bench.rss import (
     SINGLE_FILE_FORMATS,
     SINGLE_FILE_LOADER,
     measure_load_in_subprocess,

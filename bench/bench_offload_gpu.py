@@ -28,8 +28,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.rss import read_status
 from bench.timing import row_timing, timed_steps
-from tests.rss import read_status
 from wanvace_core.runtime.interleave import apply_interleaved_vace
 from wanvace_core.runtime.offload import EXPERTS, Offloader, OffloadOptions
 

@@ -35,7 +35,7 @@ def _worker(mode: str, folders: list[str], steps: int, prefetch: int, threads: i
     import torch
     from diffusers import WanVACETransformer3DModel
 
-    from tests.rss import PeakSampler, read_status
+    from bench.rss import PeakSampler, read_status
     from wanvace_core.load.folder import ComponentFiles, _weight_files
     from wanvace_core.load.pipeline_folder import load_component
     from wanvace_core.runtime.interleave import apply_interleaved_vace
@@ -111,7 +111,7 @@ def main() -> None:
         print(json.dumps(_worker(mode, folders, args.steps, args.prefetch, args.threads)))
         return
 
-    from tests.rss import write_transformer_folder
+    from bench.rss import write_transformer_folder
 
     with tempfile.TemporaryDirectory() as tmp:
         folders = [

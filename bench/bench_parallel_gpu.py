@@ -158,7 +158,7 @@ def _rank_run(spec: dict) -> None:
     if rank == 0:
         Path(spec["out"]).write_text(json.dumps(results))
     dist.destroy_process_group()
-    # Done and written: skip the interpreter's teardown of torch's distributed threads, as tests/distributed.py
+    # Done and written: skip the interpreter's teardown of torch's distributed threads, as tests/support/distributed.py
     # does. A worker aborted once in a dry run on a loaded 2-core machine ("terminate called without an active
     # exception", not reproduced in 8 runs since), which the driver then counts as a failed configuration.
     sys.stdout.flush()

@@ -40,8 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # The one A14B config of the GPU benches, and its tiny twin (every Linear's input width a multiple of 32, as Q8_0
 # blocks need).
 from bench.bench_offload_gpu import A14B, TINY
+from bench.rss import read_status, tensor_bytes
 from bench.timing import row_timing, sync, timed_steps
-from tests.rss import read_status, tensor_bytes
 from wanvace_core.load.quantized import QuantizedLinear, WeightFormat, replace_linears
 from wanvace_core.load.tensor_files import set_tensor
 from wanvace_core.runtime.interleave import apply_interleaved_vace

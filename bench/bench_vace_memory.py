@@ -23,7 +23,7 @@ _CHILD = r"""
 import json, sys, torch
 sys.path.insert(0, {repo!r})
 from diffusers import WanVACETransformer3DModel
-from tests.rss import run_forked
+from bench.rss import run_forked
 from wanvace_core.runtime.interleave import apply_interleaved_vace
 
 def rss_kb(field):

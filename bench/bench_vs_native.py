@@ -33,7 +33,6 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-# Ours first: this repository's `tests` is a namespace package, which ComfyUI's regular `tests` package would shadow.
 from bench.comfy_wan import comfy_vace_model  # noqa: E402
 from wanvace_core import RuntimePlan, load_pipeline, replan  # noqa: E402
 from wanvace_core.load.tiny import TinyModelSpec, write_tiny_pipeline  # noqa: E402

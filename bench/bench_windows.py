@@ -1,5 +1,5 @@
 """Context windows on the CPU: peak host memory and time of one sampling step at 81, 161 and 241 frames, with 81-frame
-windows (overlap 16) and without, each case in a fresh forked process (tests/test_windows_memory.py measures them;
+windows (overlap 16) and without, each case in a fresh forked process (bench/windows_memory.py measures them;
 experts with the real head size and FFN ratio, 256 x 256 pixels), with the ratios.
 
     .venvs/current/bin/python bench/bench_windows.py [--frames 81,161,241]
@@ -15,7 +15,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.test_windows_memory import WINDOWS, measured_in_a_subprocess  # noqa: E402
+from bench.windows_memory import WINDOWS, measured_in_a_subprocess  # noqa: E402
 from wanvace_core.load.tiny import write_tiny_pipeline  # noqa: E402
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.single_files import original_wan_state_dict
+from bench.expert_files import original_wan_state_dict
 
 
 class ComfyWeightsRefused(RuntimeError):

@@ -202,10 +202,10 @@ main() {
         echo "[gpu_check] no wheels in $WHEELS: using $PY's packages as they are (bench/gpu_wheels.sh makes them)"
     fi
     export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" WANVACE_GPU_SITE="$SITE" WANVACE_GPU_WORK="$WORK"
-    # Our `tests` and `bench` are namespace packages, which lose to a regular package of that name anywhere on the
-    # path (some distributions ship a top-level `tests`): then a package first on the path points the name here.
+    # Our `tests`, `bench` and `scripts` are namespace packages, which lose to a regular package of that name anywhere
+    # on the path (some distributions ship a top-level `tests`): then a package first on the path points the name here.
     local package where
-    for package in tests bench; do
+    for package in tests bench scripts; do
         where="$("$PY" -c "import sys, $package; print(*$package.__path__, sep=chr(10))" 2>/dev/null)"
         if ! grep -qx "$ROOT/$package" <<<"$where"; then
             echo "[gpu_check] the machine's $package package (${where//$'\n'/ }) shadows ours: pointing the name at $ROOT/$package"

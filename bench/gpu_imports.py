@@ -4,8 +4,9 @@
     python3 bench/gpu_imports.py check                # fails unless each is on the H200 or among the wheels
     python3 bench/gpu_imports.py runtime [--comfy DIR]  # (JSON) what importing them loads, ComfyUI's row too
 
-The files are the ones gpu_check.sh runs: the library (`wanvace_core/`), the GPU benches and every `bench.` or
-`tests.` module they import, `tests/conftest.py` and the gpu-marked test files with the test helpers they import.
+The files are the ones gpu_check.sh runs: the library (`wanvace_core/`), the GPU benches and every `bench.` module they
+import, `tests/conftest.py` and the gpu-marked test files with the helpers they import (`tests.support.`, `bench.`,
+`scripts.`, `workflow_graphs`).
 Every import statement counts, module-level or inside a function (lazy), except the `OPTIONAL` modules, which
 may appear only inside functions that no GPU step calls. ComfyUI's `comfy` package is not a distribution: the
 fast path's ComfyUI row imports the modules the benches name from the ComfyUI tree that bench/gpu_wheels.sh
@@ -31,9 +32,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 H200_PACKAGES = REPO / "bench" / "h200_packages.txt"
 WHEEL_LOCK = REPO / "bench" / "gpu_wheels.lock.json"
-OURS = ("wanvace_core", "tests", "bench")
+OURS = ("wanvace_core", "tests", "bench", "scripts", "workflow_graphs")
 COMFY = "comfy"  # ComfyUI's package: from the tree gpu_wheels.sh copies, not a distribution
-# The benches bench/gpu_check.sh runs (each bench's own `bench.`/`tests.` imports are followed from these).
+# The benches bench/gpu_check.sh runs (the modules of ours each imports are followed from these).
 GPU_BENCHES = (
     "gpu_probe.py",
     "bench_offload_gpu.py",
@@ -48,7 +49,7 @@ GPU_BENCHES = (
 EXTRA_MODULES = ("ftfy", "pytest", "pytest_timeout", "torch.distributed.run", "sageattention")
 # Modules the H200 lacks that GPU code never needs: allowed only inside functions (tests/test_gpu_imports.py).
 OPTIONAL = {
-    "av": "writes and reads MP4s (the offline command's output, tests/vace_tasks.lossless_video); no GPU step "
+    "av": "writes and reads MP4s (the offline command's output, tests/support/vace_tasks.lossless_video); no GPU step "
     "touches a video file"
 }
 # Where the module's name is not its distribution's and this Python has not installed it.
@@ -116,15 +117,14 @@ def gpu_test_files() -> list[Path]:
     return sorted(path for path in (REPO / "tests").glob("test_*.py") if "pytest.mark.gpu" in path.read_text())
 
 
-def _own_file(module: str, importer: Path) -> Path | None:
-    """The file of one of our modules (`bench.x`, `tests.x`, or a bare `x` beside a test helper), else None."""
+def _own_file(module: str) -> Path | None:
+    """The file of one of our modules (`bench.x`, `tests.support.x`, a package's `__init__.py`), else None (a name
+    imported from a module, another distribution). Every import of ours names its module from the repository's root."""
     parts = module.split(".")
-    candidates = []
-    if parts[0] in ("bench", "tests"):
-        candidates.append(REPO.joinpath(*parts).with_suffix(".py"))
-    elif importer.parent == REPO / "tests":
-        candidates.append((REPO / "tests").joinpath(*parts).with_suffix(".py"))  # tests/ on sys.path
-    return next((path for path in candidates if path.exists()), None)
+    if parts[0] not in OURS:
+        return None
+    path = REPO.joinpath(*parts)
+    return next((file for file in (path.with_suffix(".py"), path / "__init__.py") if file.is_file()), None)
 
 
 def checked_files() -> list[Path]:
@@ -138,7 +138,7 @@ def checked_files() -> list[Path]:
             continue
         seen.append(path)
         for found in imports_in(path):
-            helper = _own_file(found.module, path)
+            helper = _own_file(found.module)
             if helper is not None:
                 queue.append(helper)
     return seen
@@ -152,15 +152,8 @@ def all_imports() -> list[Import]:
 
 
 def third_party(found: list[Import]) -> list[Import]:
-    """The imports of distributions: not the standard library, not ours, not ComfyUI's tree, not bare helpers."""
-    local = {path.stem for path in (REPO / "tests").glob("*.py")}
-    return [
-        item
-        for item in found
-        if item.top not in sys.stdlib_module_names
-        and item.top not in (*OURS, COMFY)
-        and not (item.file.parent == REPO / "tests" and item.top in local)
-    ]
+    """The imports of distributions: not the standard library, not ours, not ComfyUI's tree."""
+    return [item for item in found if item.top not in sys.stdlib_module_names and item.top not in (*OURS, COMFY)]
 
 
 def comfy_modules(found: list[Import], tree: Path) -> list[str]:
@@ -302,7 +295,7 @@ def runtime(comfy_dir: str | None, modules: list[str]) -> dict:
 
 
 def our_modules() -> list[str]:
-    """The importable module names of the checked files (tests and benches as `tests.x`, `bench.x`)."""
+    """The importable module names of the checked files (tests and benches as `tests.support.x`, `bench.x`)."""
     names = []
     for path in checked_files():
         relative = path.relative_to(REPO).with_suffix("")

@@ -16,7 +16,6 @@ from .parallel import WanVACEParallelOptions
 from .queued_prompt import install as install_queue_checks
 from .sampler import WanVACESampler
 from .scheduler import WanVACEScheduler
-from .videos_api import install_videos_api
 from .windows import WanVACEContextWindows
 
 
@@ -26,12 +25,10 @@ class WanVACEExtension(ComfyExtension):
         install_example_inputs()
 
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
-        # ComfyUI 0.3.75 never calls on_load; the copy runs once either way. The videos API's routes must be on
-        # the server before it starts listening, which is after the nodes load.
+        # ComfyUI 0.3.75 never calls on_load; the copy runs once either way.
         install_example_inputs()
         install_template_order()
         install_queue_checks()
-        install_videos_api()
         return [
             WanVACEModelLoader,
             WanVACEExpertsLoader,

@@ -16,7 +16,7 @@ import warnings
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "tests"), str(REPO)]
+sys.path.insert(0, str(REPO))
 
 # The standard library only, up to the arguments: scripts/demo.sh checks them with the system Python before set-up.
 from workflow_graphs import TASKS  # noqa: E402
@@ -81,10 +81,10 @@ def main(argv: list[str]) -> int:
     warnings.filterwarnings("ignore", message="User provided device_type of 'cuda', but CUDA is not available")
     import av
     import transformers
-    from comfy_server import ComfyServer, write_example_inputs
-    from workflow_graphs import TINY_MODEL, for_tiny_model
 
+    from scripts.comfy_server import ComfyServer, write_example_inputs
     from wanvace_core.load.tiny import write_tiny_pipeline
+    from workflow_graphs import TINY_MODEL, for_tiny_model
 
     transformers.utils.logging.disable_progress_bar()
 

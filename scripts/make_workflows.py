@@ -1,4 +1,4 @@
-"""Regenerate the shipped workflows from `tests/workflow_graphs.py`.
+"""Regenerate the shipped workflows from the package `workflow_graphs/`.
 
 Writes, for every workflow in WORKFLOWS:
 
@@ -11,7 +11,7 @@ Writes, for every workflow in WORKFLOWS:
   editor (headless Chromium, tests/browser/check_workflows.mjs), 512 px wide.
 
 The UI conversion needs each node's input and output layout, so a real ComfyUI (the tree of
-tests/comfy_server.py: `$WANVACE_COMFY_DIR`, else .cache/comfyui-current; with this package
+scripts/comfy_server.py: `$WANVACE_COMFY_DIR`, else .cache/comfyui-current; with this package
 installed) is started in a temporary base directory to fetch `/object_info`. Only the structure of
 that answer is used (input types and order, output names and types), never the combo options, so the
 result does not depend on which models or input files a server happens to have; running the script
@@ -67,11 +67,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-TESTS_DIR = REPO_ROOT / "tests"
-for _p in (str(TESTS_DIR), str(REPO_ROOT), str(Path(__file__).resolve().parent)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
 
+from scripts.workflow_layout import SOCKET_RUN, Box, Router, crossings, link_points  # noqa: E402
 from workflow_graphs import (  # noqa: E402
     GROUP_COLORS,
     MODEL_FILES,
@@ -84,7 +83,6 @@ from workflow_graphs import (  # noqa: E402
     build_api_workflow,
     build_ui_layout,
 )
-from workflow_layout import SOCKET_RUN, Box, Router, crossings, link_points  # noqa: E402
 
 API_DIR = REPO_ROOT / "example_workflows" / "api"
 UI_DIR = REPO_ROOT / "example_workflows"
@@ -793,7 +791,7 @@ def build_ui_workflow(task: str, object_info: dict) -> dict:
 
 
 def _start_server(base: Path):
-    from comfy_server import ComfyServer
+    from scripts.comfy_server import ComfyServer
 
     server = ComfyServer(base)
     server.prepare()
@@ -860,7 +858,7 @@ def write_thumbnails() -> list[Path]:
     """Screenshot every UI workflow in the real graph editor and write example_workflows/<title>.jpg."""
     import os
 
-    from comfy_server import check_workflows_in_browser
+    from scripts.comfy_server import check_workflows_in_browser
 
     written = []
     with tempfile.TemporaryDirectory(prefix="wanvace-thumbnails-") as tmp:

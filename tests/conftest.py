@@ -11,8 +11,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from tests.distributed import RankPools, threads_of_workers  # noqa: E402
-from tests.single_files import ComfyModels, comfy_components, write_comfy_models  # noqa: E402
+from tests.support.distributed import RankPools, threads_of_workers  # noqa: E402
+from tests.support.single_files import ComfyModels, comfy_components, write_comfy_models  # noqa: E402
 from wanvace_core import load_pipeline  # noqa: E402
 from wanvace_core.load.tiny import COMFY_SHAPED, TinyModelSpec, write_tiny_pipeline  # noqa: E402
 
@@ -88,7 +88,7 @@ def threads_like_two_workers():
 @pytest.fixture(scope="module")
 def rank_pools():
     """`rank_pools(world)`: this module's gloo ranks of that world size, spawned on first use and reused by the
-    module's later runs (`tests.distributed.RankPool`); stopped after the module."""
+    module's later runs (`tests.support.distributed.RankPool`); stopped after the module."""
     pools = RankPools()
     yield pools
     pools.close()
@@ -105,7 +105,7 @@ def _file_states(root: Path) -> dict[str, tuple[int, int]]:
 
 @pytest.fixture(scope="session")
 def comfy_components_default() -> dict:
-    """`tests.single_files.comfy_components()`: the COMFY_SHAPED components (transformer, transformer_2,
+    """`tests.support.single_files.comfy_components()`: the COMFY_SHAPED components (transformer, transformer_2,
     text_encoder, vae, ...) the single files are written from. Read them; do not change their weights."""
     return comfy_components()
 

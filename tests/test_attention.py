@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from diffusers.models.attention_dispatch import _AttentionBackendRegistry, dispatch_attention_fn
 
-from tests.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH, build_task, expert_inputs
+from tests.support.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH, build_task, expert_inputs
 from wanvace_core import (
     CacheOptions,
     ExpertCacheLimits,

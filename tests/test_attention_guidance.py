@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH, build_task
+from tests.support.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH, build_task
 from wanvace_core import CacheOptions, SamplerSettings, VACEInputs, WanVACEInputError, prepare_conditioning, sample
 from wanvace_core.generation.guidance import GuidanceOptions
 from wanvace_core.runtime.attention_guidance import ExpertHooks, NAGOptions, SkipLayerOptions, attention_guidance
@@ -253,7 +253,7 @@ def test_slg_under_step_caching_keeps_one_cached_unit_per_pass(model, cond):
 
 
 def test_nag_with_a_lora_and_with_layerwise_offload(model, cond, tmp_path):
-    from tests.lora_files import lora_content, write_lora
+    from tests.support.lora_files import lora_content, write_lora
     from wanvace_core.runtime.lora import LoraPatch
     from wanvace_core.runtime.offload import OffloadOptions
     from wanvace_core.runtime.plan import RuntimePlan, replan

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.lora_files import lora_content, write_lora
-from tests.offload_probes import attach_offload
-from tests.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH, build_task
+from tests.support.lora_files import lora_content, write_lora
+from tests.support.offload_probes import attach_offload
+from tests.support.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH, build_task
 from wanvace_core import (
     CacheOptions,
     ExpertCacheLimits,

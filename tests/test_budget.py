@@ -12,7 +12,7 @@ for the imports five times (CI's 2 cores). Measured: the private (anonymous) mem
 the process just before it, with an allocator that returns every freed block of 64 KiB or more to the system
 (MALLOC_MMAP_THRESHOLD_) so resident memory follows live tensors: the larger of the kernel's exact VmHWM minus the
 file-backed pages the call faulted in (library code run for the first time, no device memory) and RssAnon polled
-every millisecond (tests/rss.py). The two agreed within 1.5 MiB in every case measured.
+every millisecond (bench/rss.py). The two agreed within 1.5 MiB in every case measured.
 
     .venvs/current/bin/python tests/test_budget.py TINY_FOLDER [CASE ...]   # the figures as JSON
 """
@@ -30,9 +30,6 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 MIB = 2**20
 
-# The sampler's experts: the real head size (128) and FFN ratio (13824 / 5120) at a width the CPU runs in seconds;
-# two blocks, each with a VACE hint, so a hint, the control state and the VACE input are alive in a main block.
-EXPERT = {"num_attention_heads": 4, "attention_head_dim": 128, "ffn_dim": 1382, "num_layers": 2, "vace_layers": [0, 1]}
 # 4096 tokens: at 2048, the first call's one-time oneDNN state (~4 MiB) and RoPE's per-head tables are 10% of the peak.
 SAMPLE_SIZE = (13, 512, 512)  # video frames, height, width: 4 latent frames of 32 x 32 patches, 4096 tokens
 # The VAE cases: 2 latent frames (5 video frames: the first frame, then one 4-frame chunk) at 64 x 128 pixels, where
@@ -100,31 +97,6 @@ def test_tiled_cases_ran_tiled(direction, measured):
 # --- the child ------------------------------------------------------------------------------------------------
 
 
-def _experts(model, torch):
-    from diffusers import WanVACETransformer3DModel
-
-    config = model.reference_expert.config
-    experts = []
-    for seed in (0, 1):
-        torch.manual_seed(seed)
-        experts.append(
-            WanVACETransformer3DModel(
-                patch_size=tuple(config.patch_size),
-                in_channels=config.in_channels,
-                out_channels=config.out_channels,
-                text_dim=config.text_dim,
-                freq_dim=config.freq_dim,
-                cross_attn_norm=True,
-                qk_norm="rms_norm_across_heads",
-                vace_in_channels=config.vace_in_channels,
-                **EXPERT,
-            )
-            .eval()
-            .requires_grad_(False)
-        )
-    return experts
-
-
 def _measure(case: str, folder: str) -> dict:
     import ctypes
     import dataclasses
@@ -134,7 +106,7 @@ def _measure(case: str, folder: str) -> dict:
     import torch
     from diffusers import AutoencoderKLWan
 
-    from tests.rss import PeakSampler, read_status
+    from bench.rss import PeakSampler, read_status, sampler_experts
     from wanvace_core import SamplerSettings, VACEInputs, decode, load_pipeline, prepare_conditioning, sample
     from wanvace_core.generation import budget
     from wanvace_core.generation.tiling import VAETiling
@@ -147,7 +119,7 @@ def _measure(case: str, folder: str) -> dict:
     frames, height, width = SAMPLE_SIZE if case == "sampling" else VAE_SIZE
     generator = torch.Generator().manual_seed(1)
     if case == "sampling":
-        model.transformer, model.transformer_2 = _experts(model, torch)
+        model.transformer, model.transformer_2 = sampler_experts(model)
     else:
         torch.manual_seed(0)
         model.vae = AutoencoderKLWan().eval().requires_grad_(False)
@@ -224,7 +196,7 @@ def _main(folder: str, cases: list[str]) -> None:
     import torch  # noqa: F401
 
     import wanvace_core  # noqa: F401
-    from tests.rss import run_forked
+    from bench.rss import run_forked
     from wanvace_core.generation import tiling  # noqa: F401
     from wanvace_core.runtime import plan  # noqa: F401
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from diffusers import WanVACEPipeline
 
-from tests.metrics import count_block_calls, expected_block_calls, psnr
-from tests.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH, build_task
+from bench.metrics import count_block_calls, expected_block_calls, psnr
+from tests.support.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH, build_task
 from wanvace_core import (
     CacheOptions,
     ExpertCacheLimits,

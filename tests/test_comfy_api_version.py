@@ -29,7 +29,11 @@ def _comfy_api_imports(path: Path) -> list[str]:
 
 
 def test_nodes_import_the_versioned_comfy_api():
-    files = [REPO / "__init__.py", *sorted((REPO / "nodes").rglob("*.py"))]
+    files = [
+        REPO / "__init__.py",
+        *sorted((REPO / "nodes").rglob("*.py")),
+        *sorted((REPO / "videos_api").rglob("*.py")),
+    ]
     imports = {path.relative_to(REPO).as_posix(): _comfy_api_imports(path) for path in files}
     elsewhere = {path: modules for path, modules in imports.items() if any(module != PINNED for module in modules)}
     assert not elsewhere, f"import ComfyUI's node API (io, ComfyExtension) from {PINNED}: {elsewhere}"

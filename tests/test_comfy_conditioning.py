@@ -2,7 +2,7 @@
 
 ComfyUI's classes run in a subprocess inside its tree (importing `comfy` needs it; this module is that
 subprocess's script) on the tiny COMFY_SHAPED model's text encoder, written as a ComfyUI umt5 file by
-tests/single_files.py (HF T5 names, the sentencepiece model as a `spiece_model` tensor). COMFY_SHAPED
+tests/support/single_files.py (HF T5 names, the sentencepiece model as a `spiece_model` tensor). COMFY_SHAPED
 and not the default tiny spec: ComfyUI's T5 attention hard-codes 32 relative-attention buckets and max
 distance 128 (comfy/text_encoders/t5.py), which the default spec's encoder (8 buckets, distance 32) does
 not have, and Wan's umt5 is 4096 wide. Both sides run in fp32 on the same weights.
@@ -24,9 +24,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.comfy_server import COMFY_SKIPPED, DEFAULT_COMFY_DIR
-from tests.single_files import comfy_components, write_umt5
-from tests.vace_tasks import HEIGHT, LENGTH, WIDTH
+from scripts.comfy_server import DEFAULT_COMFY_DIR
+from tests.support.comfyui import COMFY_SKIPPED
+from tests.support.single_files import comfy_components, write_umt5
+from tests.support.vace_tasks import HEIGHT, LENGTH, WIDTH
 from wanvace_core import SamplerSettings, VACEInputs, WanVACEInputError, load_pipeline, prepare_conditioning, sample
 from wanvace_core.generation.conditioning import (
     TextEmbeddings,

@@ -18,7 +18,7 @@ import types
 import pytest
 import torch
 
-from tests.in_comfyui import enter_comfyui, relative, run_in_comfyui
+from tests.support.in_comfyui import enter_comfyui, relative, run_in_comfyui
 
 WIDTH, HEIGHT, LENGTH = 32, 32, 5
 STEPS, SEED, CFG, CFG_LOW = 4, 7, 5.0, 3.0
@@ -364,7 +364,7 @@ def _in_comfyui(folder: str, out_file: str) -> None:
     found = {"schedules": _schedules()}
     found["schedule_seconds"] = time.perf_counter() - started
     found["core"] = _through_the_core(folder)
-    from tests.comfy_guidance_nodes import guidance_node_cases
+    from tests.support.comfy_guidance_nodes import guidance_node_cases
 
     found["guidance_nodes"] = guidance_node_cases()
     torch.save(found, out_file)
@@ -505,7 +505,7 @@ def test_a_sampler_that_is_not_a_ksampler_is_refused_naming_its_fix(comfy_run):
 @pytest.mark.every_variant
 @pytest.mark.parametrize("rule", ["apg", "tcfg"])
 def test_our_guidance_rule_equals_comfyuis_node_on_the_denoised_estimates(rule, comfy_run):
-    from tests.comfy_guidance_nodes import check_rule
+    from tests.support.comfy_guidance_nodes import check_rule
 
     check_rule(rule, comfy_run["guidance_nodes"])
 

@@ -22,8 +22,8 @@ import torch._inductor.config as inductor_config
 from torch._dynamo.utils import counters
 from torch._inductor.output_code import CompiledFxGraph
 
-from tests.lora_files import lora_content, write_lora
-from tests.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH, build_task
+from tests.support.lora_files import lora_content, write_lora
+from tests.support.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH, build_task
 from wanvace_core import (
     CacheOptions,
     ExpertCacheLimits,

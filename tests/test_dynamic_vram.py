@@ -242,7 +242,7 @@ print(json.dumps(report))
 
 @pytest.fixture(scope="module")
 def report() -> dict:
-    from tests.comfy_server import require_comfyui
+    from tests.support.comfyui import require_comfyui
 
     comfy = require_comfyui("comfy/model_management.py")
     env = {**os.environ, "WANVACE_REPO": str(REPO), "OMP_NUM_THREADS": "1"}

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import av
 import pytest
-from comfy_server import require_comfyui
+
+from tests.support.comfyui import require_comfyui
 
 pytestmark = [pytest.mark.one_set, pytest.mark.integration, pytest.mark.slow]
 

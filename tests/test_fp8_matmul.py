@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.lora_files import lora_content, write_lora
-from tests.offload_probes import attach_offload
-from tests.single_files import expert_files
+from tests.support.lora_files import lora_content, write_lora
+from tests.support.offload_probes import attach_offload
+from tests.support.single_files import expert_files
 from wanvace_core import (
     LoraPatch,
     OffloadOptions,

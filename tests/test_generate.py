@@ -164,7 +164,7 @@ def test_an_unknown_model_folder_is_refused_naming_it(tmp_path, capsys):
 
 
 def test_cache_windows_and_lora_flags_reach_the_run(tiny_folder, tmp_path, capsys):
-    from tests.lora_files import lora_content, write_lora
+    from tests.support.lora_files import lora_content, write_lora
     from wanvace_core import load_pipeline
 
     lora = write_lora(

@@ -7,7 +7,7 @@ import torch
 from diffusers.guiders import ClassifierFreeZeroStarGuidance
 from diffusers.guiders import adaptive_projected_guidance as diffusers_apg
 
-from tests.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH, build_task
+from tests.support.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH, build_task
 from wanvace_core import SamplerSettings, VACEInputs, WanVACEInputError, prepare_conditioning, sample
 from wanvace_core.generation.guidance import APGOptions, ExpertGuidance, GuidanceOptions, combine
 from wanvace_core.generation.windows import ContextWindowOptions

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from diffusers.hooks import HookRegistry, ModelHook
 
-from tests.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH
+from tests.support.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH
 from wanvace_core import CacheOptions, SamplerSettings, VACEInputs, load_pipeline, prepare_conditioning, sample
 from wanvace_core.hooks import ModuleHooks
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH, build_task
+from tests.support.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH, build_task
 from wanvace_core import CacheOptions, ExpertCacheLimits, SamplerSettings, VACEInputs, prepare_conditioning, sample
 from wanvace_core.runtime.interleave import execution_order, uses_interleaved_vace
 

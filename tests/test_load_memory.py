@@ -13,7 +13,7 @@ mapped window of at most 64 MiB plus safetensors headers). diffusers' from_pretr
 file into fp32 peaks at 1.51x in total (its whole memory-mapped file stays resident beside the fp32
 copy); it would fail the total-memory check here.
 
-The same expert written as ComfyUI-style single files (tests/single_files.py writers: original Wan keys
+The same expert written as ComfyUI-style single files (tests/support/single_files.py writers: original Wan keys
 in bf16, legacy scaled fp8, GGUF Q8_0) is loaded through the single-file loader (`single_file._load`,
 one expert) under the same budget and measurement: a bf16 file into bf16 (used in place) and fp32 (a
 private fp32 copy); the fp8 and Q8_0 files with `weight_dtype="auto"` (Linear weights kept as stored:
@@ -27,7 +27,7 @@ import sys
 
 import pytest
 
-from tests.rss import (
+from bench.rss import (
     SINGLE_FILE_LOADER,
     measure_loads_in_forks,
     random_transformer,

@@ -16,9 +16,9 @@ import os
 import pytest
 import torch
 
-from tests.lora_files import LORA_FORMATS, LoraContent, hand_merged, lora_content, rehomed, write_lora
-from tests.offload_probes import attach_offload
-from tests.simulated_streams import SimulatedStreamOps
+from tests.support.lora_files import LORA_FORMATS, LoraContent, hand_merged, lora_content, rehomed, write_lora
+from tests.support.offload_probes import attach_offload
+from tests.support.simulated_streams import SimulatedStreamOps
 from wanvace_core import (
     CacheOptions,
     ExpertCacheLimits,
@@ -307,7 +307,8 @@ def test_lora_with_each_offload_mode_equals_the_run_on_device(options, base, con
 
 @pytest.mark.slow
 def test_lora_on_kept_fp8_weights_equals_the_hand_merged_dequantised_model(tmp_path):
-    from tests.single_files import comfy_components, write_expert, write_umt5, write_vae
+    from bench.expert_files import write_expert
+    from tests.support.single_files import comfy_components, write_umt5, write_vae
     from wanvace_core import ExpertFiles, load_expert_files
     from wanvace_core.load.quantized import QuantizedLinear
     from wanvace_core.load.tiny import sentencepiece_model_bytes

@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-from tests.in_comfyui import enter_comfyui, relative, run_in_comfyui
+from tests.support.in_comfyui import enter_comfyui, relative, run_in_comfyui
 
 WIDTH, HEIGHT, LENGTH = 32, 32, 5
 STEPS, SEED, CFG, CFG_LOW, SHIFT = 4, 7, 5.0, 3.0, 8.0
@@ -214,7 +214,7 @@ def _native(folder: str) -> dict:
 
 def _in_comfyui(folder: str, out_file: str) -> None:
     enter_comfyui()
-    from tests.native_slg import slg_runs
+    from tests.support.native_slg import slg_runs
 
     torch.save({**_native(folder), "slg": slg_runs(folder)}, out_file)
 
@@ -260,19 +260,19 @@ def test_native_ksampler_advanced_pair_equals_our_sampler_with_comfyuis_euler(na
 
 
 def test_our_slg_skips_its_blocks_on_the_steps_comfyuis_node_skips(native_run):
-    from tests.native_slg import check_the_same_steps_are_skipped
+    from tests.support.native_slg import check_the_same_steps_are_skipped
 
     check_the_same_steps_are_skipped(native_run["slg"])
 
 
 def test_our_one_pass_slg_equals_comfyuis_skip_layer_guidance_dit_simple(native_run):
-    from tests.native_slg import check_equal_to_the_one_pass_node
+    from tests.support.native_slg import check_equal_to_the_one_pass_node
 
     check_equal_to_the_one_pass_node(native_run["slg"])
 
 
 def test_our_extra_pass_slg_equals_comfyuis_skip_layer_guidance_dit(native_run):
-    from tests.native_slg import check_equal_to_the_extra_pass_node
+    from tests.support.native_slg import check_equal_to_the_extra_pass_node
 
     check_equal_to_the_extra_pass_node(native_run["slg"])
 

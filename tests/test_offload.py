@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from tests.offload_probes import BlockProbe, MeasuredTransfer, attach_offload, units_of
-from tests.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH, build_task
+from tests.support.offload_probes import BlockProbe, MeasuredTransfer, attach_offload, units_of
+from tests.support.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH, build_task
 from wanvace_core import (
     CacheOptions,
     ExpertCacheLimits,

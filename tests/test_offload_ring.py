@@ -12,8 +12,8 @@ import contextlib
 import pytest
 import torch
 
-from tests.offload_probes import attach_offload
-from tests.simulated_streams import ForgetsHostSync, ForgetsStreamWaits, SimulatedStreamOps, StreamHazard
+from tests.support.offload_probes import attach_offload
+from tests.support.simulated_streams import ForgetsHostSync, ForgetsStreamWaits, SimulatedStreamOps, StreamHazard
 from tests.test_offload import _run
 from wanvace_core import (
     CacheOptions,

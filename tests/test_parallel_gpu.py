@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH
+from tests.support.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH
 from wanvace_core import (
     CacheOptions,
     ExpertCacheLimits,

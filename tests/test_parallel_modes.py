@@ -11,8 +11,8 @@ Cache decisions must be those of the single process, on every rank (cache-dit av
 measure over each branch's ranks).
 
 The workers of a world size are started once for the module and serve one mode's load after another
-(`tests.distributed.ServingWorkers`: the local launcher's worker setup, kept up between loads as under torchrun):
-starting two workers costs more than what a mode computes. How the local launcher starts and stops its own
+(`tests.support.distributed.ServingWorkers`: the local launcher's worker setup, kept up between loads as under
+torchrun): starting two workers costs more than what a mode computes. How the local launcher starts and stops its own
 workers is tests/test_parallel_workers.py; the same modes under both launchers, test_parallel_torchrun.py.
 """
 
@@ -23,9 +23,9 @@ import dataclasses
 import pytest
 import torch
 
-from tests.distributed import ServingWorkers, threads_of_workers
-from tests.lora_files import lora_content, write_lora
-from tests.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH
+from tests.support.distributed import ServingWorkers, threads_of_workers
+from tests.support.lora_files import lora_content, write_lora
+from tests.support.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH
 from wanvace_core import (
     CacheOptions,
     ExpertCacheLimits,
@@ -193,7 +193,8 @@ def test_offload_per_rank_composes_with_sharding_and_ulysses(tiny_folder, refere
 
 def test_single_files_shard_in_the_workers_bitwise(tmp_path, serving, comfy_components_default):
     """Comfy-style single files (original Wan keys), sharded by the workers from the files' rows."""
-    from tests.single_files import write_expert, write_umt5, write_vae
+    from bench.expert_files import write_expert
+    from tests.support.single_files import write_umt5, write_vae
     from wanvace_core import ExpertFiles, load_expert_files
     from wanvace_core.load.tiny import sentencepiece_model_bytes
 

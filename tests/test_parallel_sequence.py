@@ -1,7 +1,7 @@
 """Ulysses sequence parallelism on gloo CPU ranks: every rank computes what one process computes.
 
 Each `_*_rank` function runs on spawned gloo ranks (the module's two ranks from `rank_pools`, spawned once;
-the four-rank case on its own `tests.distributed.run_ranks`), so it lives at module level. The single-process
+the four-rank case on its own `tests.support.distributed.run_ranks`), so it lives at module level. The single-process
 references are computed in the pytest process itself, where torch.distributed is not initialised (cache-dit
 then makes its decisions without any all-reduce).
 """
@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed import run_ranks
-from tests.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH, build_task, expert_inputs
+from tests.support.distributed import run_ranks
+from tests.support.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH, build_task, expert_inputs
 from wanvace_core import (
     CacheOptions,
     ExpertCacheLimits,

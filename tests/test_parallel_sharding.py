@@ -1,7 +1,7 @@
 """FSDP2-sharded experts loaded per rank straight from the files (`wanvace_core.parallel.sharding`).
 
 Every check runs on real gloo ranks (one CPU thread each: the module's `rank_pools`, spawned once per world
-size, except where a test measures a rank's memory and gets fresh ones from `tests.distributed.run_ranks`) and
+size, except where a test measures a rank's memory and gets fresh ones from `tests.support.distributed.run_ranks`) and
 compares, inside each rank, against the unsharded loaders run in that same process (same thread count, so the
 same CPU kernels): the folder loader (`load_pipeline`) and the single-file loader (`load_expert_files`).
 Unsharded weights used in place from a file sit at the file's offsets, and CPU GEMM kernels pick their
@@ -28,10 +28,11 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from tests.distributed import run_ranks
-from tests.rss import PeakSampler, random_transformer, read_status
-from tests.single_files import PREFIX, original_wan_state_dict, truncate_copy, write_expert
-from tests.vace_tasks import NEGATIVE, PROMPT
+from bench.expert_files import PREFIX, original_wan_state_dict, write_expert
+from bench.rss import PeakSampler, random_transformer, read_status
+from tests.support.distributed import run_ranks
+from tests.support.single_files import truncate_copy
+from tests.support.vace_tasks import NEGATIVE, PROMPT
 from wanvace_core import (
     ExpertFiles,
     SamplerSettings,

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH
+from tests.support.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH
 from wanvace_core import SamplerSettings, VACEInputs, load_pipeline, prepare_conditioning, sample
 from wanvace_core.parallel import ParallelOptions, WanVACEWorkerError
 from wanvace_core.parallel.launcher import cpu_threads_per_worker
@@ -302,7 +302,7 @@ def test_a_comfyui_that_dies_mid_run_leaves_the_torchrun_workers_serving(torchru
     script = textwrap.dedent(
         f"""
         import os
-        from tests.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH
+        from tests.support.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH
         from wanvace_core import SamplerSettings, VACEInputs, load_pipeline, prepare_conditioning, sample
         from wanvace_core.parallel import ParallelOptions
         model = load_pipeline({str(tiny_folder)!r}, "fp32", parallel={torchrun.options(timeout_s=20.0)!r})

@@ -18,8 +18,8 @@ import time
 import pytest
 import torch
 
-from tests.lora_files import lora_content, write_lora
-from tests.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH
+from tests.support.lora_files import lora_content, write_lora
+from tests.support.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH
 from wanvace_core import (
     CacheOptions,
     ContextWindowOptions,
@@ -372,7 +372,7 @@ def test_requests_of_720p_size_cross_the_store_whole():
 
     import torch.distributed as dist
 
-    from tests.distributed import hosted_store
+    from tests.support.distributed import hosted_store
     from wanvace_core.worker import StoreRelay
 
     host = hosted_store()

@@ -9,7 +9,7 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, WanVACEPipeline
 
-from tests.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, TASKS, WIDTH, build_task
+from tests.support.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, TASKS, WIDTH, build_task
 from wanvace_core import (
     SamplerSettings,
     VACEInputs,

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH, expert_inputs
+from tests.support.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH, expert_inputs
 from wanvace_core import (
     CacheOptions,
     RuntimePlan,

@@ -18,7 +18,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.comfy_server import COMFY_SKIPPED, DEFAULT_COMFY_DIR
+from scripts.comfy_server import DEFAULT_COMFY_DIR
+from tests.support.comfyui import COMFY_SKIPPED
 from wanvace_core import to_vae_space
 
 REPO = Path(__file__).resolve().parents[1]

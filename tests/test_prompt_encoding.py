@@ -10,7 +10,7 @@ import torch
 from sentencepiece import SentencePieceProcessor
 from transformers import T5TokenizerFast
 
-from tests.vace_tasks import NEGATIVE, PROMPT
+from tests.support.vace_tasks import NEGATIVE, PROMPT
 from wanvace_core.load.tiny import write_tokenizer_files
 
 TEXTS = (

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from tests.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH, build_task
+from tests.support.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH, build_task
 from wanvace_core import SamplerSettings, VACEInputs, WanVACEInputError, prepare_conditioning, sample
 from wanvace_core.generation.conditioning import full_length_video_and_mask
 

@@ -21,8 +21,7 @@ _HARNESS_VARIABLES = ("COMFYUI_DIR", "WANVACE_SET", "WANVACE_SETS", "WANVACE_COM
 def _pack(folder: Path) -> Path:
     """The scripts a clone holds (what setup.sh and demo.sh read before any set-up), at `folder`."""
     shutil.copytree(REPO / "scripts", folder / "scripts")
-    (folder / "tests").mkdir()
-    shutil.copy(REPO / "tests" / "workflow_graphs.py", folder / "tests")
+    shutil.copytree(REPO / "workflow_graphs", folder / "workflow_graphs", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(REPO / "requirements.txt", folder / "requirements.txt")
     return folder
 

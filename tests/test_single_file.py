@@ -1,6 +1,6 @@
 """Single-file loading: every layout ComfyUI users have, written from one tiny diffusers model.
 
-The files come from `tests/single_files.py` (checked against ComfyUI's own loaders in
+The files come from `tests/support/single_files.py` (checked against ComfyUI's own loaders in
 tests/integration/test_comfy_accepts_files.py). The reference is the folder loader over a diffusers
 folder of the same weights. Plain float layouts must give bitwise-equal latents; fp8 and GGUF give
 weights within the format's rounding error and latents within the tolerances below (measured on
@@ -16,9 +16,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.offload_probes import attach_offload, units_of
-from tests.original_release import wan_t5_state_dict, write_original_release
-from tests.single_files import (
+from tests.support.offload_probes import attach_offload, units_of
+from tests.support.original_release import wan_t5_state_dict, write_original_release
+from tests.support.single_files import (
     PREFIX,
     expert_files,
     fp8_tolerance,
@@ -342,9 +342,9 @@ def _fp32_bytes(block) -> int:
 
 @pytest.mark.parametrize("fmt", ["fp8_scaled", "Q6_K"])
 def test_kept_weights_stream_through_the_cuda_ring_as_stored_bytes(models_dir, fmt):
-    """The layerwise ring (simulated streams, tests/simulated_streams.py) stages the stored fp8/GGUF bytes:
+    """The layerwise ring (simulated streams, tests/support/simulated_streams.py) stages the stored fp8/GGUF bytes:
     its slots are sized by the kept blocks, and the result equals the plain run bitwise."""
-    from tests.simulated_streams import SimulatedStreamOps
+    from tests.support.simulated_streams import SimulatedStreamOps
     from wanvace_core.runtime.transfer import RingTransfer
 
     _root, written = models_dir

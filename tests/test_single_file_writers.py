@@ -1,5 +1,5 @@
-"""The single-file writers of tests/single_files.py are self-consistent: names invert diffusers' own
-converters, quantised weights come back within their quantisation error, GGUF files read back with
+"""The single-file writers of bench/expert_files.py and tests/support/single_files.py are self-consistent: names invert
+diffusers' own converters, quantised weights come back within their quantisation error, GGUF files read back with
 gguf-py. That ComfyUI itself accepts the files is tests/integration/test_comfy_accepts_files.py."""
 
 from __future__ import annotations
@@ -8,15 +8,17 @@ import json
 
 import numpy as np
 import pytest
-import single_files as sf
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from bench import expert_files as ef
+from tests.support import single_files as sf
+
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
-    with sf.single_thread():  # tiny tensors: on a busy machine a thread pool only adds contention
+    with ef.single_thread():  # tiny tensors: on a busy machine a thread pool only adds contention
         yield
 
 
@@ -33,7 +35,7 @@ def transformer(components):
 @pytest.fixture(scope="module")
 def source(transformer):
     """The high-noise expert's fp32 tensors under original Wan names."""
-    return {k: v.detach().float() for k, v in sf.original_wan_state_dict(transformer).items()}
+    return {k: v.detach().float() for k, v in ef.original_wan_state_dict(transformer).items()}
 
 
 def _metadata(path) -> dict:
@@ -49,7 +51,7 @@ def test_original_wan_keys_are_the_exact_inverse_of_diffusers_converter(transfor
     from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 
     diffusers_sd = transformer.state_dict()
-    original = sf.original_wan_state_dict(transformer)
+    original = ef.original_wan_state_dict(transformer)
     assert len(original) == len(diffusers_sd)
     back = convert_wan_transformer_to_diffusers(dict(original))
     assert set(back) == set(diffusers_sd)
@@ -101,10 +103,10 @@ def test_original_wan_vae_keys_are_the_exact_inverse_of_diffusers_converter(comp
 # Safetensors experts
 
 
-@pytest.mark.parametrize("prefix", ["", sf.PREFIX])
+@pytest.mark.parametrize("prefix", ["", ef.PREFIX])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_plain_expert_holds_every_tensor_in_one_dtype(tmp_path, transformer, source, prefix, dtype):
-    path = sf.write_expert(tmp_path / "expert.safetensors", transformer, dtype=dtype, prefix=prefix)
+    path = ef.write_expert(tmp_path / "expert.safetensors", transformer, dtype=dtype, prefix=prefix)
     written = load_file(str(path))
     assert set(written) == {prefix + k for k in source}
     for key, value in source.items():
@@ -114,20 +116,20 @@ def test_plain_expert_holds_every_tensor_in_one_dtype(tmp_path, transformer, sou
 
 
 def test_base_and_vace_parts_split_the_expert(tmp_path, transformer, source):
-    base = load_file(str(sf.write_expert(tmp_path / "t2v.safetensors", transformer, parts="base")))
-    vace = load_file(str(sf.write_expert(tmp_path / "vace.safetensors", transformer, parts="vace")))
+    base = load_file(str(ef.write_expert(tmp_path / "t2v.safetensors", transformer, parts="base")))
+    vace = load_file(str(ef.write_expert(tmp_path / "vace.safetensors", transformer, parts="vace")))
     assert set(base).isdisjoint(vace) and set(base) | set(vace) == set(source)
     assert set(vace) == {k for k in source if k.startswith(("vace_blocks.", "vace_patch_embedding."))}
     assert "head.modulation" in base and "vace_patch_embedding.weight" in vace
 
 
-@pytest.mark.parametrize("prefix", ["", sf.PREFIX])
+@pytest.mark.parametrize("prefix", ["", ef.PREFIX])
 def test_scaled_fp8_expert_is_the_legacy_comfy_scheme(tmp_path, transformer, source, prefix):
-    path = sf.write_expert(tmp_path / "fp8.safetensors", transformer, quant="scaled_fp8", prefix=prefix)
+    path = ef.write_expert(tmp_path / "fp8.safetensors", transformer, quant="scaled_fp8", prefix=prefix)
     written = load_file(str(path))
     marker = written[prefix + "scaled_fp8"]
     assert marker.dtype == torch.float8_e4m3fn and marker.numel() == 0
-    linears = sf.linear_weight_keys(source)
+    linears = ef.linear_weight_keys(source)
     assert "text_embedding.0.weight" in linears and "blocks.0.ffn.2.weight" in linears
     assert "vace_blocks.0.before_proj.weight" in linears and "patch_embedding.weight" not in linears
     for key, value in source.items():
@@ -137,7 +139,7 @@ def test_scaled_fp8_expert_is_the_legacy_comfy_scheme(tmp_path, transformer, sou
             scale = written[f"{layer}.scale_weight"]
             assert stored.dtype == torch.float8_e4m3fn
             assert scale.dtype == torch.float32 and scale.shape == ()
-            assert torch.isclose(scale, value.abs().max() / sf.FP8_MAX)
+            assert torch.isclose(scale, value.abs().max() / ef.FP8_MAX)
             assert torch.equal(written[f"{layer}.scale_input"], torch.tensor(1.0))
             error = (sf.dequantize_fp8(stored, scale) - value).abs()
             assert (error <= sf.fp8_tolerance(value, scale)).all(), key
@@ -149,7 +151,7 @@ def test_scaled_fp8_expert_is_the_legacy_comfy_scheme(tmp_path, transformer, sou
 
 
 def test_scaled_fp8_options(tmp_path, transformer, source):
-    path = sf.write_expert(
+    path = ef.write_expert(
         tmp_path / "fp8.safetensors",
         transformer,
         quant="scaled_fp8",
@@ -163,18 +165,18 @@ def test_scaled_fp8_options(tmp_path, transformer, source):
     assert written["blocks.3.cross_attn.v.weight"].dtype == torch.float8_e4m3fn
     assert not [k for k in written if k.endswith(".scale_input")]
     assert {k[: -len(".scale_weight")] for k in written if k.endswith(".scale_weight")} == {
-        k[: -len(".weight")] for k in sf.linear_weight_keys(source, blocks_only=True)
+        k[: -len(".weight")] for k in ef.linear_weight_keys(source, blocks_only=True)
     }
-    two = sf.expert_state_dict(transformer, quant="scaled_fp8", marker="fp32x2")[0]["scaled_fp8"]
+    two = ef.expert_state_dict(transformer, quant="scaled_fp8", marker="fp32x2")[0]["scaled_fp8"]
     assert two.dtype == torch.float32 and two.numel() == 2
 
 
-@pytest.mark.parametrize("prefix", ["", sf.PREFIX])
+@pytest.mark.parametrize("prefix", ["", ef.PREFIX])
 def test_mixed_fp8_expert_carries_both_forms_of_the_layer_list(tmp_path, transformer, source, prefix):
-    path = sf.write_expert(tmp_path / "mixed.safetensors", transformer, quant="mixed_fp8", prefix=prefix)
+    path = ef.write_expert(tmp_path / "mixed.safetensors", transformer, quant="mixed_fp8", prefix=prefix)
     written = load_file(str(path))
     header = json.loads(_metadata(path)["_quantization_metadata"])
-    quantised = [k[: -len(".weight")] for k in sf.linear_weight_keys(source, blocks_only=True)]
+    quantised = [k[: -len(".weight")] for k in ef.linear_weight_keys(source, blocks_only=True)]
     assert header["format_version"] == "1.0"
     assert header["layers"] == {layer: {"format": "float8_e4m3fn"} for layer in quantised}  # unprefixed
     assert "scaled_fp8" not in written and prefix + "scaled_fp8" not in written
@@ -190,10 +192,10 @@ def test_mixed_fp8_expert_carries_both_forms_of_the_layer_list(tmp_path, transfo
 
 
 def test_mixed_fp8_forms(tmp_path, transformer):
-    header_only = sf.write_expert(tmp_path / "h.safetensors", transformer, quant="mixed_fp8", mixed_form="header")
+    header_only = ef.write_expert(tmp_path / "h.safetensors", transformer, quant="mixed_fp8", mixed_form="header")
     assert "_quantization_metadata" in _metadata(header_only)
     assert not [k for k in load_file(str(header_only)) if k.endswith(".comfy_quant")]
-    tensors_only = sf.write_expert(
+    tensors_only = ef.write_expert(
         tmp_path / "t.safetensors", transformer, quant="mixed_fp8", mixed_form="tensors", scale_input=True
     )
     assert _metadata(tensors_only) == {}
@@ -201,7 +203,7 @@ def test_mixed_fp8_forms(tmp_path, transformer):
     assert "blocks.0.ffn.0.comfy_quant" in written
     assert torch.equal(written["blocks.0.ffn.0.input_scale"], torch.tensor(1.0))
     with pytest.raises(ValueError):
-        sf.write_expert(tmp_path / "x.safetensors", transformer, quant="mixed_fp8", mixed_form="neither")
+        ef.write_expert(tmp_path / "x.safetensors", transformer, quant="mixed_fp8", mixed_form="neither")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -216,7 +218,7 @@ def test_q6_k_packing_round_trips_through_gguf_dequantize():
     data[1] *= np.linspace(0.0, 8.0, 512, dtype=np.float32)  # sub-blocks of very different size
     data[2, :256] = 0.0  # an all-zero block
     data[3, 10] = 3.0  # an outlier
-    packed = sf.quantize_q6_k(data)
+    packed = ef.quantize_q6_k(data)
     assert packed.dtype == np.uint8 and packed.shape == (6, 2 * 210)
     assert gguf.quants.quant_shape_from_byte_shape(packed.shape, gguf.GGMLQuantizationType.Q6_K) == data.shape
     values = gguf.quants.dequantize(packed, gguf.GGMLQuantizationType.Q6_K)
@@ -235,7 +237,7 @@ def test_gguf_expert_reads_back_with_city96s_types(tmp_path, transformer, source
     import gguf
 
     types = gguf.GGMLQuantizationType
-    path = sf.write_gguf_expert(tmp_path / f"expert-{qtype}.gguf", transformer, qtype)
+    path = ef.write_gguf_expert(tmp_path / f"expert-{qtype}.gguf", transformer, qtype)
     reader = gguf.GGUFReader(str(path))
     field = reader.get_field("general.file_type")
     assert int(field.parts[field.data[-1]][0]) == getattr(gguf.LlamaFileType, f"MOSTLY_{qtype}")
@@ -377,7 +379,7 @@ def test_write_comfy_models_writes_the_real_file_names(tmp_path, components, com
 def test_truncated_and_foreign_files(tmp_path, transformer):
     from safetensors import SafetensorError
 
-    whole = sf.write_expert(tmp_path / "whole.safetensors", transformer)
+    whole = ef.write_expert(tmp_path / "whole.safetensors", transformer)
     cut = sf.truncate_copy(whole, tmp_path / "cut.safetensors")
     assert cut.stat().st_size == whole.stat().st_size // 2
     with pytest.raises(SafetensorError):

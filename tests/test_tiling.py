@@ -119,7 +119,7 @@ def test_tiled_encode_is_close_to_untiled(model):
 
 @pytest.mark.slow
 def test_prepare_conditioning_tiles_the_control_video_encode(model):
-    from tests.vace_tasks import NEGATIVE, PROMPT
+    from tests.support.vace_tasks import NEGATIVE, PROMPT
     from wanvace_core import VACEInputs, prepare_conditioning
 
     frames = 1 + 4 * (LATENT_FRAMES - 1)
@@ -301,7 +301,8 @@ def test_decode_node_in_comfyui(tiny_folder):
     import sys
     from pathlib import Path
 
-    from tests.comfy_server import COMFY_SKIPPED, DEFAULT_COMFY_DIR
+    from scripts.comfy_server import DEFAULT_COMFY_DIR
+    from tests.support.comfyui import COMFY_SKIPPED
 
     if COMFY_SKIPPED or not (DEFAULT_COMFY_DIR / "comfy").is_dir():
         pytest.skip(COMFY_SKIPPED or f"no ComfyUI tree at {DEFAULT_COMFY_DIR}")

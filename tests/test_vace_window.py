@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from tests.offload_probes import attach_offload
-from tests.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH, build_task
+from tests.support.offload_probes import attach_offload
+from tests.support.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH, build_task
 from wanvace_core import SamplerSettings, VACEInputs, WanVACEInputError, load_pipeline, prepare_conditioning, sample
 from wanvace_core.runtime.caching import CacheOptions, ExpertCacheLimits
 from wanvace_core.runtime.offload import OffloadOptions, SynchronousTransfer

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH
+from tests.support.vace_tasks import HEIGHT, LENGTH, NEGATIVE, PROMPT, WIDTH
 from wanvace_core import (
     CacheOptions,
     ExpertCacheLimits,

@@ -102,7 +102,7 @@ def _comfy_answers(cases: list[dict], out_file: str) -> None:
 
 # --- the pytest side -------------------------------------------------------------------------------------
 
-from tests.vace_tasks import HEIGHT, LONG, WIDTH, long_inputs  # noqa: E402
+from tests.support.vace_tasks import HEIGHT, LONG, WIDTH, long_inputs  # noqa: E402
 from wanvace_core import (  # noqa: E402
     OffloadOptions,
     SamplerSettings,

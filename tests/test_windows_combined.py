@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.lora_files import hand_merged, lora_content, rehomed, write_lora
-from tests.metrics import count_block_calls, expected_block_calls, psnr
-from tests.vace_tasks import LONG, long_inputs
+from bench.metrics import count_block_calls, expected_block_calls, psnr
+from tests.support.lora_files import hand_merged, lora_content, rehomed, write_lora
+from tests.support.vace_tasks import LONG, long_inputs
 from wanvace_core import (
     CacheOptions,
     ExpertCacheLimits,

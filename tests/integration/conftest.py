@@ -4,21 +4,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
-_TESTS_DIR = Path(__file__).resolve().parents[1]
-_REPO_ROOT = _TESTS_DIR.parent
-# The harness and wanvace_core must import the same way whether or not tests/
-# becomes a package, so both roots go on sys.path explicitly.
-for _p in (str(_TESTS_DIR), str(_REPO_ROOT)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
-from comfy_models import write_lora_files, write_single_files  # noqa: E402
-from comfy_server import ComfyServer, require_comfyui, write_example_inputs  # noqa: E402
+from scripts.comfy_server import ComfyServer, write_example_inputs
+from tests.support.comfy_models import write_lora_files, write_single_files
+from tests.support.comfyui import require_comfyui
 
 TINY_TWO_EXPERTS = "wanvace-tiny"
 TINY_SINGLE_EXPERT = "wanvace21-tiny"

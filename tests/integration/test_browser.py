@@ -3,7 +3,7 @@
 `scripts/make_workflows.py` writes `example_workflows/<title>.json` (UI format; the template browser of
 frontends 1.32 and 1.49 titles a pack's template with its file name), its thumbnail
 `example_workflows/<title>.jpg`, and `example_workflows/api/wanvace_<name>.json` (API format), all from
-`tests/workflow_graphs.py`. The pack copies `example_inputs/` into ComfyUI's input folder when it
+the package `workflow_graphs/`. The pack copies `example_inputs/` into ComfyUI's input folder when it
 loads (`nodes/examples.py`), so the files the workflows name are there.
 
 In the graph editor of the set under test (headless Chromium, tests/browser/check_workflows.mjs)
@@ -28,7 +28,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-from comfy_server import PACKAGE_DIR_NAME, REPO_ROOT, ComfyServer, check_workflows_in_browser
+
+from scripts.comfy_server import PACKAGE_DIR_NAME, REPO_ROOT, ComfyServer, check_workflows_in_browser
+from tests.support.comfyui import require_comfyui
 from workflow_graphs import (
     EXAMPLE_INPUTS,
     EXTENSION_GIVEN_FRAMES,
@@ -521,6 +523,7 @@ def test_loaders_offer_the_example_inputs(object_info):
 
 def test_the_pack_copies_example_inputs_at_load_without_overwriting(tmp_path):
     """A fresh ComfyUI whose input folder holds a user's file of the same name as an example."""
+    require_comfyui()
     server = ComfyServer(tmp_path / "base")
     server.prepare()
     mine = server.base_dir / "input" / EXAMPLE_INPUTS["first"]
@@ -758,6 +761,7 @@ MISSING_TASKS = ("i2v_fp8", "t2v_lightning")
 @pytest.fixture(scope="module")
 def bare_server(tmp_path_factory):
     """A ComfyUI with this package and no model files."""
+    require_comfyui()
     server = ComfyServer(tmp_path_factory.mktemp("bare_comfy") / "base")
     server.start(timeout=180)
     try:

@@ -1,4 +1,5 @@
-"""ComfyUI's own code accepts the single files tests/single_files.py writes, in this set's ComfyUI.
+"""ComfyUI's own code accepts the single files bench/expert_files.py and tests/support/single_files.py write, in this
+set's ComfyUI.
 
 Each check group runs ComfyUI in a subprocess (this file run as a script, cwd = the ComfyUI tree,
 `--cpu`), so ComfyUI's globals never reach pytest:
@@ -30,12 +31,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-_TESTS = Path(__file__).resolve().parents[1]
-for _p in (str(_TESTS), str(_TESTS.parent)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+# Run as a script (the ComfyUI side), this file needs the repository on the path for its helpers.
+_REPO = Path(__file__).resolve().parents[2]
+if str(_REPO) not in sys.path:
+    sys.path.insert(0, str(_REPO))
 
-import single_files as sf  # noqa: E402
+from bench import expert_files as ef  # noqa: E402
+from tests.support import single_files as sf  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -75,8 +77,8 @@ def _finish_group(started: tuple[subprocess.Popen, Path]) -> dict:
 
 @pytest.fixture(scope="module")
 def comfy_dir() -> Path:
-    """This set's ComfyUI tree (tests/comfy_server.py finds it), or the set's skip."""
-    from comfy_server import require_comfyui
+    """This set's ComfyUI tree (scripts/comfy_server.py finds it), or the set's skip."""
+    from tests.support.comfyui import require_comfyui
 
     return require_comfyui("comfy/sd.py")
 
@@ -110,23 +112,23 @@ def started(comfy_dir, components, work):
 EXPERT_CASES = {
     "bf16": [{}],
     "bf16-low": [{"expert": "transformer_2"}],
-    "bf16-prefixed": [{"prefix": sf.PREFIX}],
+    "bf16-prefixed": [{"prefix": ef.PREFIX}],
     "fp16": [{"dtype": "float16"}],
-    "fp16-prefixed": [{"dtype": "float16", "prefix": sf.PREFIX}],
+    "fp16-prefixed": [{"dtype": "float16", "prefix": ef.PREFIX}],
     "scaled_fp8": [{"quant": "scaled_fp8"}],
-    "scaled_fp8-prefixed": [{"quant": "scaled_fp8", "prefix": sf.PREFIX}],
+    "scaled_fp8-prefixed": [{"quant": "scaled_fp8", "prefix": ef.PREFIX}],
     "scaled_fp8-fp32-marker": [{"quant": "scaled_fp8", "marker": "float32"}],
     "scaled_fp8-blocks-only": [{"quant": "scaled_fp8", "fp8_layers": "blocks", "scale_input": False}],
     # Negative control: without the marker ComfyUI does not know the scales (diffusers' single-file
     # loader behaves the same way on real fp8_scaled files).
     "scaled_fp8-no-marker": [{"quant": "scaled_fp8", "drop": ["scaled_fp8"]}],
     "mixed_fp8": [{"quant": "mixed_fp8"}],
-    "mixed_fp8-prefixed": [{"quant": "mixed_fp8", "prefix": sf.PREFIX}],
+    "mixed_fp8-prefixed": [{"quant": "mixed_fp8", "prefix": ef.PREFIX}],
     "mixed_fp8-header": [{"quant": "mixed_fp8", "mixed_form": "header"}],
     "mixed_fp8-tensors": [{"quant": "mixed_fp8", "mixed_form": "tensors"}],
     "t2v-base-alone": [{"dtype": "float16", "parts": "base"}],
     "t2v-base+vace-module": [{"dtype": "float16", "parts": "base"}, {"parts": "vace"}],
-    "t2v-base+vace-module-prefixed": [{"dtype": "float16", "parts": "base", "prefix": sf.PREFIX}, {"parts": "vace"}],
+    "t2v-base+vace-module-prefixed": [{"dtype": "float16", "parts": "base", "prefix": ef.PREFIX}, {"parts": "vace"}],
     "gguf-Q8_0": [{"gguf": "Q8_0"}],
     "gguf-Q6_K": [{"gguf": "Q6_K"}],
 }
@@ -138,7 +140,7 @@ def _write_case(work: Path, components: dict, name: str, spec: list[dict]) -> li
         kwargs = dict(kwargs)
         transformer = components[kwargs.pop("expert", "transformer")]
         if "gguf" in kwargs:
-            paths.append(str(sf.write_gguf_expert(work / f"{name}.gguf", transformer, kwargs["gguf"])))
+            paths.append(str(ef.write_gguf_expert(work / f"{name}.gguf", transformer, kwargs["gguf"])))
             continue
         for key in ("dtype", "marker"):
             if key in kwargs:
@@ -146,10 +148,10 @@ def _write_case(work: Path, components: dict, name: str, spec: list[dict]) -> li
         path = work / f"{name}-{i}.safetensors"
         if "drop" in kwargs:
             drop = kwargs.pop("drop")
-            state, metadata = sf.expert_state_dict(transformer, **kwargs)
+            state, metadata = ef.expert_state_dict(transformer, **kwargs)
             save_file({k: v for k, v in state.items() if k not in drop}, str(path), metadata=metadata or None)
         else:
-            sf.write_expert(path, transformer, **kwargs)
+            ef.write_expert(path, transformer, **kwargs)
         paths.append(str(path))
     return paths
 
@@ -179,10 +181,10 @@ def _expected_problems(name: str, current_scheme: bool, keys: dict) -> dict:
 
 
 def _experts_job(components: dict, work: Path) -> dict:
-    with sf.single_thread():
+    with ef.single_thread():
         cases = {name: _write_case(work, components, name, spec) for name, spec in EXPERT_CASES.items()}
     for expert in ("transformer", "transformer_2"):  # the fp32 source, for the dequantised weights
-        state = sf.original_wan_state_dict(components[expert])
+        state = ef.original_wan_state_dict(components[expert])
         save_file(
             {k: v.detach().float().contiguous() for k, v in state.items()},
             str(work / f"reference-{expert}.safetensors"),
@@ -289,7 +291,7 @@ def _vae_job(components: dict, work: Path) -> dict:
     path = sf.write_vae(work / "wan_2.1_vae.safetensors", vae)
     # diffusers' decode with the weights as written (bf16), the reference for ComfyUI's decode.
     latent = torch.randn(1, 16, 2, 4, 4, generator=torch.Generator().manual_seed(0))
-    with torch.no_grad(), sf.single_thread():
+    with torch.no_grad(), ef.single_thread():
         reference = type(vae).from_config(vae.config).eval()
         reference.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in vae.state_dict().items()})
         video = reference.decode(latent).sample  # (1, 3, 5, 32, 32) in [-1, 1]
@@ -360,7 +362,7 @@ def text_encoder_results(started, components) -> dict:
             continue
         out = load_file(result["embedding"])
         ids = out["ids"].long()[None]
-        with torch.no_grad(), sf.single_thread():
+        with torch.no_grad(), ef.single_thread():
             reference = encoder(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state[0]
         cond = out["cond"][: ids.shape[1]].float()
         result["embedding_error"] = float(((cond - reference).abs().max() / reference.abs().max()).item())
@@ -430,7 +432,7 @@ def _import_comfy(comfy_dir: str) -> _Records:
 
 
 def _strip(key: str) -> str:
-    return key.removeprefix(sf.PREFIX)
+    return key.removeprefix(ef.PREFIX)
 
 
 def _file_tensors(paths: list[str]) -> dict:

@@ -5,7 +5,7 @@ The prompts run on the session's server; what this module needs besides its mode
 (a) Our sampler's LATENT decoded by core VAELoader + VAEDecode / VAEDecodeTiled
 equals our WanVACEDecode: the LATENT is raw VAE space, which is what core VAEDecode takes (ComfyUI's
 `latent_formats.Wan21.process_out` = ours `to_vae_space`: latents * std + mean). The VAE file is the tiny
-COMFY_SHAPED pipeline's own VAE in the original Wan keys (tests/single_files.py `write_vae`), in fp32.
+COMFY_SHAPED pipeline's own VAE in the original Wan keys (tests/support/single_files.py `write_vae`), in fp32.
 Frames go out losslessly: IMAGE -> VAEEncode(pixel_space) (IMAGE * 2 - 1, fp32) -> SaveLatent. Measured max
 |difference| of the frames ([0, 1]): 1.5e-6 (PSNR 132 dB) with 0.33, 1.6e-6 (133 dB) with 0.3.75, the same for
 VAEDecode and for VAEDecodeTiled with one tile covering the clip. A VAEDecodeTiled that really splits the
@@ -30,8 +30,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.metrics import psnr
-from tests.single_files import write_umt5, write_vae
+from bench.metrics import psnr
+from tests.support.single_files import write_umt5, write_vae
 from tests.test_comfy_conditioning import LATENT_ATOL, comfy_encode
 from wanvace_core.load.tiny import sentencepiece_model_bytes
 

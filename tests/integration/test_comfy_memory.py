@@ -12,9 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from comfy_server import ComfyServer
 from safetensors.torch import load_file
-from workflow_graphs import TINY_MODEL, for_tiny_model, node_id_of
+
+from bench.rss import file_mappings
+from scripts.comfy_server import ComfyServer
+from tests.support.api_graphs import node_id_of
+from tests.support.comfyui import require_comfyui
+from workflow_graphs import TINY_MODEL, for_tiny_model
 
 pytestmark = pytest.mark.integration
 
@@ -57,7 +61,7 @@ def _latent(server, workflow) -> torch.Tensor:
 
 def _mapped_experts(server, folder: Path) -> set[str]:
     """Which expert weight files of the pipeline folder the server has mapped."""
-    return {Path(path).parent.name for path in server.mapped_files(folder) if path.endswith(".safetensors")}
+    return {Path(path).parent.name for path in file_mappings(server.proc.pid, folder) if path.endswith(".safetensors")}
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +98,7 @@ def test_memory_and_cache_flags_give_the_same_result_every_prompt(flags, comfy_b
     """A server of its own per flag set (flags are per process), on the session's model files."""
     folder = comfy_base / "models" / "diffusers" / TINY_MODEL
     smart_memory = "--disable-smart-memory" not in flags
+    require_comfyui()
     with ComfyServer(tmp_path / "base", extra_args=flags, models_from=comfy_base) as server:
         first = _latent(server, _workflow(72, "flags/first"))
         # Without smart memory ComfyUI unloads every model at the end of each prompt, ours too.

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from workflow_graphs import LIGHTNING_NAG, TINY_MODEL, for_tiny_model, node_id_of, nodes_of_type
 
+from tests.support.api_graphs import node_id_of, nodes_of_type
 from wanvace_core import SamplerSettings, VACEInputs, load_pipeline, prepare_conditioning, sample, to_vae_space
+from workflow_graphs import LIGHTNING_NAG, TINY_MODEL, for_tiny_model
 
 pytestmark = pytest.mark.integration
 

@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from comfy_models import BAD_EXPERT, ORIGINAL_RELEASE, TRUNCATED_EXPERT
 from safetensors.torch import load_file
-from workflow_graphs import SINGLE_FILES, for_tiny_model, node_id_of, nodes_of_type
+
+from tests.support.api_graphs import node_id_of, nodes_of_type
+from tests.support.comfy_models import BAD_EXPERT, ORIGINAL_RELEASE, TRUNCATED_EXPERT
+from workflow_graphs import SINGLE_FILES, for_tiny_model
 
 pytestmark = pytest.mark.integration
 

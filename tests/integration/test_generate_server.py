@@ -21,10 +21,11 @@ import PIL.Image
 import pytest
 import torch
 from safetensors.torch import load_file
-from workflow_graphs import TINY_MODEL, for_tiny_model, node_id_of
 
-from tests.vace_tasks import lossless_video
+from tests.support.api_graphs import node_id_of
+from tests.support.vace_tasks import lossless_video
 from wanvace_core import generate
+from workflow_graphs import TINY_MODEL, for_tiny_model
 
 pytestmark = pytest.mark.integration
 

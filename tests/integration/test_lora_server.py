@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from workflow_graphs import LIGHTNING_SAMPLING, LIGHTNING_VARIANT, for_tiny_model, node_id_of, nodes_of_type
+
+from tests.support.api_graphs import node_id_of, nodes_of_type
+from workflow_graphs import LIGHTNING_SAMPLING, LIGHTNING_VARIANT, for_tiny_model
 
 pytestmark = pytest.mark.integration
 
@@ -97,7 +99,7 @@ def test_strength_zero_on_both_experts_equals_no_lora(comfy_server):
 
 
 def test_a_lora_for_another_model_is_refused_naming_the_file_and_key(comfy_server, comfy_base, tmp_path):
-    from tests.lora_files import write_lora_file
+    from tests.support.lora_files import write_lora_file
     from wanvace_core import load_pipeline
     from wanvace_core.load.tiny import TinyModelSpec, write_tiny_pipeline
 

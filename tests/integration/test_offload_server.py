@@ -15,7 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from workflow_graphs import TINY_MODEL, for_tiny_model, node_id_of
+
+from bench.rss import file_mappings
+from tests.support.api_graphs import node_id_of
+from workflow_graphs import TINY_MODEL, for_tiny_model
 
 pytestmark = pytest.mark.integration
 
@@ -69,7 +72,7 @@ def _expert_mappings(server, folder: Path) -> dict[str, tuple]:
     """Expert weight file -> the address ranges the server maps it at."""
     return {
         Path(path).parent.name: mapping.ranges
-        for path, mapping in server.mapped_files(folder).items()
+        for path, mapping in file_mappings(server.proc.pid, folder).items()
         if path.endswith(".safetensors")
     }
 

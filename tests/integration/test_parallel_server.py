@@ -21,12 +21,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from comfy_server import ComfyServer, require_comfyui
 from safetensors.torch import load_file
-from workflow_graphs import for_tiny_model
 
+from scripts.comfy_server import ComfyServer
+from tests.support.comfyui import require_comfyui
 from wanvace_core.parallel import DEFAULT_ENDPOINT
 from wanvace_core.parallel.launcher import cpu_threads_per_worker
+from workflow_graphs import for_tiny_model
 
 pytestmark = pytest.mark.integration
 

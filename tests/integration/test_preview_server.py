@@ -13,9 +13,12 @@ import struct
 from dataclasses import dataclass
 
 import pytest
-from comfy_server import ComfyServer, require_comfyui
 from PIL import Image
-from workflow_graphs import build_api_workflow, for_tiny_model, node_id_of, nodes_of_type
+
+from scripts.comfy_server import ComfyServer
+from tests.support.api_graphs import node_id_of, nodes_of_type
+from tests.support.comfyui import require_comfyui
+from workflow_graphs import build_api_workflow, for_tiny_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -11,7 +11,9 @@ import uuid
 from pathlib import Path
 
 import pytest
-from comfy_server import ComfyServer, require_comfyui
+
+from scripts.comfy_server import ComfyServer
+from tests.support.comfyui import require_comfyui
 from workflow_graphs import for_tiny_model
 
 pytestmark = pytest.mark.integration

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from workflow_graphs import for_tiny_model, node_id_of
+
+from tests.support.api_graphs import node_id_of
+from workflow_graphs import for_tiny_model
 
 pytestmark = pytest.mark.integration
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import re
 
 import pytest
-from comfy_server import PACKAGE_DIR_NAME, count_video_frames
+
+from scripts.comfy_server import PACKAGE_DIR_NAME
+from tests.support.comfyui import count_video_frames
 
 pytestmark = pytest.mark.integration
 

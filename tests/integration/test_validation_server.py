@@ -16,6 +16,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+
 from workflow_graphs import FP8_VARIANT, LIGHTNING_NAG, SINGLE_FILES, for_tiny_model
 
 pytestmark = pytest.mark.integration

@@ -17,10 +17,13 @@ from pathlib import Path
 import numpy as np
 import PIL.Image
 import pytest
-from comfy_server import ComfyServer, require_comfyui
-from workflow_graphs import TINY_MODEL, for_tiny_model, node_id_of
 
-from tests.vace_tasks import lossless_video
+from bench.rss import read_status
+from scripts.comfy_server import ComfyServer
+from tests.support.api_graphs import node_id_of
+from tests.support.comfyui import require_comfyui
+from tests.support.vace_tasks import lossless_video
+from workflow_graphs import TINY_MODEL, for_tiny_model
 
 pytestmark = [
     pytest.mark.integration,
@@ -365,10 +368,10 @@ def test_memory_stays_flat_over_twenty_jobs(api_server):
 
     for seed in range(100, 105):
         job(seed)
-    before = api_server.memory()["VmRSS"]
+    before = read_status(api_server.proc.pid)["VmRSS"]
     for seed in range(105, 125):
         job(seed)
-    after = api_server.memory()["VmRSS"]
+    after = read_status(api_server.proc.pid)["VmRSS"]
     growth = (after - before) / 2**20
     print(f"server RSS over 20 jobs: {before / 2**20:.0f} MiB -> {after / 2**20:.0f} MiB ({growth:+.1f} MiB)")
     assert growth < 64, f"RSS grew {growth:.1f} MiB over 20 jobs"

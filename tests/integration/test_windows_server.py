@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from workflow_graphs import TINY_MODEL, for_tiny_model, nodes_of_type
 
+from tests.support.api_graphs import nodes_of_type
 from wanvace_core import (
     CacheOptions,
     ContextWindowOptions,
@@ -22,6 +22,7 @@ from wanvace_core import (
     sample,
     to_vae_space,
 )
+from workflow_graphs import TINY_MODEL, for_tiny_model
 
 pytestmark = pytest.mark.integration
 

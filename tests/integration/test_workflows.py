@@ -10,17 +10,12 @@ from pathlib import Path
 import pytest
 import requests
 import torch
-from comfy_server import count_video_frames
 from safetensors.torch import load_file
-from workflow_graphs import (
-    LONG_VARIANT,
-    TINY_MODEL,
-    WORKFLOWS,
-    for_tiny_model,
-    loader_class,
-    node_id_of,
-    nodes_of_type,
-)
+
+from bench.rss import file_mappings
+from tests.support.api_graphs import node_id_of, nodes_of_type
+from tests.support.comfyui import count_video_frames
+from workflow_graphs import LONG_VARIANT, TINY_MODEL, WORKFLOWS, for_tiny_model, loader_class
 
 pytestmark = pytest.mark.integration
 
@@ -287,7 +282,7 @@ def _expert_mappings(server, folder) -> dict[str, tuple]:
     """Expert weight file -> the address ranges the server maps it at."""
     return {
         Path(path).parent.name: mapping.ranges
-        for path, mapping in server.mapped_files(folder).items()
+        for path, mapping in file_mappings(server.proc.pid, folder).items()
         if path.endswith(".safetensors")
     }
 

@@ -425,3 +425,23 @@ def resident_bytes(layouts: dict[str, Layout], dtype: str, weight_dtype: str) ->
             else:
                 total += math.prod(entry.shape) * (storage if len(entry.shape) == 2 else compute)
     return total
+
+
+def load_expert(
+    path: str | Path,
+    dtype: str = "bf16",
+    weight_dtype: str = "auto",
+    device: str | torch.device = "cpu",
+    vace_module: str | Path | None = None,
+    label: str = "high_noise_model",
+) -> torch.nn.Module:
+    """One expert (`WanVACETransformer3DModel`) from its file, loaded exactly as `load_expert_files` loads each."""
+    if dtype not in DTYPES or weight_dtype not in WEIGHT_DTYPES:
+        raise WanVACEModelFolderError(
+            f"dtype={dtype!r} / weight_dtype={weight_dtype!r}: choose dtype from {', '.join(DTYPES)} and "
+            f"weight_dtype from {', '.join(WEIGHT_DTYPES)}."
+        )
+    path = Path(path)
+    layout = expert_layout(_open_expert(path, False), _open_expert(vace_module, False), label, path.name)
+    module, _placements = _load(layout, DTYPES[dtype], weight_dtype, torch.device(device), True)
+    return module

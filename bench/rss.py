@@ -1,4 +1,4 @@
-"""Host-memory (RSS) measurement for the load tests and benchmarks (Linux `/proc`); test machinery, not product.
+"""Host-memory (RSS) measurement for the load tests and benchmarks (Linux `/proc`).
 
 Resident memory is split the way the kernel reports it in `/proc/<pid>/status`:
 
@@ -182,6 +182,45 @@ def tensor_bytes(module) -> int:
     return total
 
 
+# The sampler's experts: the real head size (128) and FFN ratio (13824 / 5120) at a width the CPU runs in seconds; two
+# blocks, each with a VACE hint, so a hint, the control state and the VACE input are alive in a main block.
+SAMPLER_EXPERT = {
+    "num_attention_heads": 4,
+    "attention_head_dim": 128,
+    "ffn_dim": 1382,
+    "num_layers": 2,
+    "vace_layers": [0, 1],
+}
+
+
+def sampler_experts(model) -> list:
+    """Two random experts (seeds 0 and 1) of `SAMPLER_EXPERT`'s shape, with the rest of `model`'s expert config: what
+    the sampler's activation memory is measured on, on the CPU (tests/test_budget.py, bench/windows_memory.py)."""
+    import torch
+    from diffusers import WanVACETransformer3DModel
+
+    config = model.reference_expert.config
+    experts = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        experts.append(
+            WanVACETransformer3DModel(
+                patch_size=tuple(config.patch_size),
+                in_channels=config.in_channels,
+                out_channels=config.out_channels,
+                text_dim=config.text_dim,
+                freq_dim=config.freq_dim,
+                cross_attn_norm=True,
+                qk_norm="rms_norm_across_heads",
+                vace_in_channels=config.vace_in_channels,
+                **SAMPLER_EXPERT,
+            )
+            .eval()
+            .requires_grad_(False)
+        )
+    return experts
+
+
 def cpu_count() -> int:
     """CPUs this process may run on."""
     try:
@@ -195,7 +234,7 @@ def cpu_count() -> int:
 LOADERS = ("ours", "diffusers")
 # One expert loaded from a single file through the single-file loader (`wanvace_core.load.single_file`).
 SINGLE_FILE_LOADER = "single"
-# Single-file layouts `write_single_files` writes (tests/single_files.py writers), by file name.
+# Single-file layouts `write_single_files` writes (bench/expert_files.py writers), by file name.
 SINGLE_FILE_FORMATS = {
     "bf16": "expert_bf16.safetensors",  # original Wan keys, every tensor bf16
     "fp8_scaled": "expert_fp8_scaled.safetensors",  # legacy scaled fp8: every Linear weight e4m3fn + scale
@@ -260,14 +299,14 @@ def write_transformer_folder(folder, *, model=None, **shape):
 def write_single_files(folder, formats=tuple(SINGLE_FILE_FORMATS), *, model=None, **shape) -> dict:
     """Writes one expert (random, or `model`) as ComfyUI-style single files to `folder`, one per format.
 
-    Formats are keys of `SINGLE_FILE_FORMATS`; returns {format: path}. Uses the test-side writers of
-    tests/single_files.py, so the files are laid out as ComfyUI's are.
+    Formats are keys of `SINGLE_FILE_FORMATS`; returns {format: path}. Uses the writers of
+    bench/expert_files.py, so the files are laid out as ComfyUI's are.
     """
     from pathlib import Path
 
     import torch
 
-    from tests.single_files import write_expert, write_gguf_expert
+    from bench.expert_files import write_expert, write_gguf_expert
 
     model = random_transformer(**shape) if model is None else model
     folder = Path(folder)

@@ -1,4 +1,4 @@
-"""Comparisons the cache tests and benchmarks make of results (test machinery, not product)."""
+"""Comparisons the cache tests and benchmarks make of results."""
 
 from __future__ import annotations
 

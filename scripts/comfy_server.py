@@ -1,8 +1,9 @@
-"""Drive a real ComfyUI server for integration tests and demos.
+"""A real ComfyUI server with this pack installed, in a base folder of its own: started, driven through its HTTP API and
+websocket, stopped. The demo (scripts/demo.py) and scripts/make_workflows.py start one; the integration tests drive
+it (tests/support/comfyui.py adds what only they need).
 
 The ComfyUI tree is `$WANVACE_COMFY_DIR` (set by scripts/test.sh per dependency set), else
 `.cache/comfyui-current`, else `.cache/comfyui-oldest`; the server runs on this interpreter.
-Kept free of pytest imports so demo scripts can reuse it.
 """
 
 from __future__ import annotations
@@ -39,21 +40,6 @@ def _default_comfy_dir() -> Path:
 
 
 DEFAULT_COMFY_DIR = _default_comfy_dir()
-# Why the ComfyUI server tests of this set do not run (no ComfyUI tree found), or "".
-COMFY_SKIPPED = os.environ.get("WANVACE_COMFY_SKIPPED", "")
-
-
-def require_comfyui(marker: str = "main.py") -> Path:
-    """This set's ComfyUI tree for a test that needs it: skips the test where the set has none (the skip names
-    the reason), fails it where the tree should be but `marker` is missing."""
-    import pytest
-
-    if COMFY_SKIPPED:
-        pytest.skip(f"SKIPPED: no ComfyUI for this dependency set ({COMFY_SKIPPED}); set COMFYUI_DIR")
-    if not (DEFAULT_COMFY_DIR / marker).is_file():
-        pytest.fail(f"ComfyUI is not installed at {DEFAULT_COMFY_DIR}; run `bash scripts/setup.sh`", pytrace=False)
-    return DEFAULT_COMFY_DIR
-
 
 DEFAULT_PYTHON = Path(sys.executable)
 BROWSER_DIR = REPO_ROOT / "tests" / "browser"
@@ -257,8 +243,6 @@ class ComfyServer:
         """Starts ComfyUI and waits until it answers. Where the port it was given by `free_port` was taken in the
         meantime (ComfyUI exits saying so), starts it again on another one, up to `port_attempts` times."""
         if not (self.comfy_dir / "main.py").is_file():
-            if COMFY_SKIPPED and self.comfy_dir == DEFAULT_COMFY_DIR:
-                require_comfyui()  # the set has no ComfyUI: every test that starts one is skipped, saying why
             raise RuntimeError(f"ComfyUI not found at {self.comfy_dir}; run `bash scripts/setup.sh` first")
         if self.proc is not None and self.proc.poll() is None:
             return
@@ -437,20 +421,6 @@ class ComfyServer:
         loaded. The next prompt runs every node again, whatever the cache type and free memory."""
         self.free(unload_models=False, free_memory=True)
 
-    # --- the server's memory -------------------------------------------------
-
-    def memory(self) -> dict[str, int]:
-        """The server process's `VmRSS`, `VmHWM`, `RssAnon` (private), `RssFile` (file-backed), in bytes."""
-        from tests.rss import read_status
-
-        return read_status(self.proc.pid)
-
-    def mapped_files(self, under: Path | str) -> dict:
-        """The files below `under` that the server has memory-mapped, resolved path -> `tests.rss.FileMapping`."""
-        from tests.rss import file_mappings
-
-        return file_mappings(self.proc.pid, under)
-
     def history(self, prompt_id: str) -> dict | None:
         """The history entry for prompt_id, or None while ComfyUI has none."""
         r = self.get(f"/history/{prompt_id}")
@@ -625,13 +595,6 @@ def write_example_inputs(input_dir: Path) -> dict[str, Path]:
     input_dir = Path(input_dir)
     examples.copy_missing_examples(input_dir)
     return {p.name: input_dir / p.name for p in sorted(examples.EXAMPLE_DIR.iterdir()) if p.is_file()}
-
-
-def count_video_frames(path: Path) -> int:
-    import av
-
-    with av.open(str(path)) as container:
-        return sum(1 for _ in container.decode(video=0))
 
 
 # --- browser check ---------------------------------------------------------

@@ -14,7 +14,7 @@ same content written in each format must give the same model:
   `lora_B.weight` (alpha folded into B, bias differences as `lora_B.bias`; no other full differences);
 - "peft_original": `lora_A` / `lora_B` on the prefixed original names, alpha kept as `.alpha`.
 
-Original names come from `tests/single_files.py` (the inverse of diffusers' weight-name converter).
+Original names come from `bench/expert_files.py` (the inverse of diffusers' weight-name converter).
 `hand_merged` edits a model's weights directly with `W + strength * alpha / rank * B @ A` and
 `p + strength * diff`, independently of `wanvace_core.runtime.lora`.
 """
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from tests.single_files import _original_key
+from bench.expert_files import original_key
 
 LORA_FORMATS = ("comfy", "lightx2v", "comfy_unprefixed", "kohya", "peft", "peft_original")
 COMFY_PREFIX = "diffusion_model."
@@ -123,13 +123,13 @@ def lora_content(
 
 
 def _original_module(module: str) -> str:
-    return _original_key(f"{module}.weight")[: -len(".weight")]
+    return original_key(f"{module}.weight")[: -len(".weight")]
 
 
 def _diff_key(parameter: str) -> str:
     """`blocks.0.norm2.weight` -> `blocks.0.norm3.diff`, a `.bias` -> `.diff_b`, `scale_shift_table` ->
     `head.modulation.diff`."""
-    original = _original_key(parameter)
+    original = original_key(parameter)
     if original.endswith(".weight"):
         return original[: -len(".weight")] + ".diff"
     if original.endswith(".bias"):

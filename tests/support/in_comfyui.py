@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.comfy_server import COMFY_SKIPPED, DEFAULT_COMFY_DIR
+from scripts.comfy_server import DEFAULT_COMFY_DIR
+from tests.support.comfyui import COMFY_SKIPPED
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def enter_comfyui() -> None:

@@ -38,15 +38,15 @@ import torch.multiprocessing as mp
 from wanvace_core.parallel.launcher import cpu_threads_per_worker
 
 HOST = "127.0.0.1"
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # How long the ranks may take to join the store (spawning and importing torch on a busy two-core machine).
 _JOIN_TIMEOUT = timedelta(seconds=600)
 # After one rank failed, how long the others get to report their own error (often the cause) before the kill.
 _FAILURE_GRACE_S = 5.0
 # What the fork server imports before it forks the first rank: what every rank function needs.
 _PRELOAD = [
-    "tests.distributed",
-    "tests.rss",
+    "tests.support.distributed",
+    "bench.rss",
     "wanvace_core.worker",
     "wanvace_core.parallel.sharding",
     "wanvace_core.parallel.sequence",

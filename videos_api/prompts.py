@@ -10,12 +10,12 @@ import inspect
 import json
 from pathlib import Path
 
-from ...wanvace_core import ContextWindowOptions
-from ...wanvace_core.generation.tasks import MODE_INPUTS
-from ..cache import WanVACECacheOptions
+from ..nodes.cache import WanVACECacheOptions
+from ..wanvace_core import ContextWindowOptions
+from ..wanvace_core.generation.tasks import MODE_INPUTS
 from .fields import ApiError, VideoRequest
 
-WORKFLOW_DIR = Path(__file__).resolve().parents[2] / "example_workflows" / "api"
+WORKFLOW_DIR = Path(__file__).resolve().parents[1] / "example_workflows" / "api"
 OUTPUT_PREFIX = "wanvace_api"
 # Frames the extension task keeps from the given video unless extra_params.given_frames says otherwise.
 DEFAULT_GIVEN_FRAMES = 17

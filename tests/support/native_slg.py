@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from tests.in_comfyui import relative
+from tests.support.in_comfyui import relative
 from tests.test_native_sampling import (
     CFG,
     CFG_LOW,

@@ -7,7 +7,8 @@ import json
 import torch
 from safetensors.torch import save_file
 
-from tests.single_files import original_wan_state_dict, original_wan_vae_state_dict
+from bench.expert_files import original_wan_state_dict
+from tests.support.single_files import original_wan_vae_state_dict
 from wanvace_core.load.tiny import write_tokenizer_files
 
 

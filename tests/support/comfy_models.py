@@ -16,9 +16,8 @@ BAD_EXPERT, TRUNCATED_EXPERT = "sd_vae_not_wan.safetensors", "wan2.2_fun_vace_hi
 
 def write_single_files(models_root: Path) -> dict:
     """ComfyUI's model folders with the tiny model's single files, an original release folder and bad files."""
-    from single_files import comfy_components, non_wan_file, truncate_copy, write_comfy_models
-
-    from tests.original_release import write_original_release
+    from tests.support.original_release import write_original_release
+    from tests.support.single_files import comfy_components, non_wan_file, truncate_copy, write_comfy_models
 
     components = comfy_components()
     written = write_comfy_models(models_root, components, formats=SINGLE_FILE_FORMATS)
@@ -36,10 +35,9 @@ def write_lora_files(models_root: Path, tiny_folder: Path) -> dict[str, Path]:
     The Lightning files are written the way lightx2v's are (ComfyUI names, low-rank pairs plus diff/diff_b and
     norm differences), the style LoRA as a kohya/ComfyUI file; each file gets its own random tensors.
     """
-    from workflow_graphs import LIGHTNING_VARIANT, LORA_FILES
-
-    from tests.lora_files import write_lora_file
+    from tests.support.lora_files import write_lora_file
     from wanvace_core import load_pipeline
+    from workflow_graphs import LIGHTNING_VARIANT, LORA_FILES
 
     expert = load_pipeline(tiny_folder, "fp32").transformer
     written = {}

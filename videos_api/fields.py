@@ -14,7 +14,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from ...wanvace_core.generation.tasks import MODES
+from ..wanvace_core.generation.tasks import MODES
 
 # Text fields and their parsers; `input_reference` is the one file field.
 NUMBER_FIELDS = {
@@ -202,7 +202,7 @@ def parse_extra(text: str | None) -> dict:
 def conditioning_ranges() -> dict[str, tuple[int, int]]:
     """The WanVACE Conditioning node's declared (min, max) of width, height and length: a request outside them is
     refused before it is queued, naming the request field (ComfyUI would refuse it naming the node's input)."""
-    from ..conditioning import WanVACEConditioning
+    from ..nodes.conditioning import WanVACEConditioning
 
     inputs = WanVACEConditioning.define_schema().inputs
     return {item.id: (item.min, item.max) for item in inputs if item.id in ("width", "height", "length")}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.in_comfyui import relative
+from tests.support.in_comfyui import relative
 
 SHAPE = (1, 16, 3, 6, 8)
 SIGMAS = (0.95, 0.8, 0.6)
