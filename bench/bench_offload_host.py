@@ -36,7 +36,7 @@ def _worker(mode: str, folders: list[str], steps: int, prefetch: int, threads: i
     from diffusers import WanVACETransformer3DModel
 
     from bench.rss import PeakSampler, read_status
-    from wanvace_core.load.folder import ComponentFiles, _weight_files
+    from wanvace_core.load.folder_layout import ComponentFiles, _weight_files
     from wanvace_core.load.pipeline_folder import load_component
     from wanvace_core.runtime.interleave import apply_interleaved_vace
     from wanvace_core.runtime.offload import EXPERTS, Offloader, OffloadOptions, SynchronousTransfer

@@ -368,7 +368,7 @@ def _measure_load(loader: str, source: str, dtype_name: str, threads: int, weigh
     import torch
     from diffusers import WanVACETransformer3DModel
 
-    from wanvace_core.load.folder import ComponentFiles, _weight_files
+    from wanvace_core.load.folder_layout import ComponentFiles, _weight_files
     from wanvace_core.load.pipeline_folder import DTYPES, load_component
     from wanvace_core.load.quantized import QuantizedLinear
 
@@ -492,7 +492,7 @@ def _main_forked(threads: int, rows: list[list[str]]) -> None:
     import torch  # noqa: F401
     from diffusers import WanVACETransformer3DModel  # noqa: F401
 
-    import wanvace_core.load.folder
+    import wanvace_core.load.folder_layout
     import wanvace_core.load.pipeline_folder
     import wanvace_core.load.quantized  # noqa: F401
 

@@ -6,16 +6,16 @@ from .cache import WanVACECacheOptions
 from .conditioning import WanVACEConditioning
 from .decode import WanVACEDecode
 from .examples import install_example_inputs, install_template_order
-from .experts_loader import WanVACEExpertsLoader
+from .folder_loader import WanVACEModelLoader
 from .frames import WanVACEControlVideo, WanVACEFirstLastFrame, WanVACEOutpaintCanvas
 from .guidance import WanVACEGuidanceOptions
-from .loader import WanVACEModelLoader
 from .lora import WanVACELoraLoader
 from .offload import WanVACEOffloadOptions
 from .parallel import WanVACEParallelOptions
 from .queued_prompt import install as install_queue_checks
 from .sampler import WanVACESampler
 from .scheduler import WanVACEScheduler
+from .single_files_loader import WanVACEExpertsLoader
 from .windows import WanVACEContextWindows
 
 

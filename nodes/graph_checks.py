@@ -18,9 +18,9 @@ import numbers
 from ..wanvace_core import ContextWindowOptions, WanVACEError, WanVACEInputError
 from ..wanvace_core.generation.limits import SizeLimits, check_frame_size, check_frames
 from ..wanvace_core.generation.windows import check_schedule_with_cache
-from .experts_loader import size_limits_of_expert_inputs
-from .loader import size_limits_of_folder_inputs
+from .folder_loader import size_limits_of_folder_inputs
 from .queued_prompt import consumers, linked_node, model_source, value_of
+from .single_files_loader import size_limits_of_expert_inputs
 
 SAMPLER = "WanVACESampler"
 _LIMITS_OF_LOADER = {

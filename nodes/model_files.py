@@ -13,7 +13,7 @@ from pathlib import Path
 import folder_paths
 
 from ..wanvace_core import WanVACEInputError
-from ..wanvace_core.load.folder import walk_model_folders
+from ..wanvace_core.load.folder_layout import walk_model_folders
 
 WEIGHT_SUFFIXES = (".safetensors", ".sft", ".gguf")
 

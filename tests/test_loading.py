@@ -12,7 +12,7 @@ from diffusers import WanVACEPipeline
 from safetensors.torch import load_file, save_file
 
 from wanvace_core import WanVACEModelFolderError, inspect_pipeline_folder, load_pipeline
-from wanvace_core.load.folder import find_pipeline_folders
+from wanvace_core.load.folder_layout import find_pipeline_folders
 
 TRANSFORMER_FILE = Path("transformer") / "diffusion_pytorch_model.safetensors"
 

@@ -44,7 +44,7 @@ from wanvace_core import (
     prepare_conditioning,
     sample,
 )
-from wanvace_core.load.folder import ComponentFiles
+from wanvace_core.load.folder_layout import ComponentFiles
 from wanvace_core.load.tiny import TinyModelSpec, write_tiny_pipeline
 from wanvace_core.load.weight_files import give_back_freed_heap
 from wanvace_core.parallel.sharding import (

@@ -92,7 +92,7 @@ def _settings() -> tuple[Path, dict]:
 
 def _model(requested: str | None) -> tuple[str, dict | None]:
     """The model's name and, for a single-file set, its Experts Loader inputs (None for a pipeline folder)."""
-    from ..nodes.loader import list_model_folders
+    from ..nodes.folder_loader import list_model_folders
 
     path, settings = _settings()
     sets = settings.get("single_file_models", {})

@@ -21,7 +21,7 @@ from .generation.sampling import SampleResult, SamplerSettings, sample
 from .generation.schedules import SCHEDULERS
 from .generation.tiling import VAETiling
 from .generation.windows import FUSE_METHODS, SCHEDULES, ContextWindowOptions
-from .load.folder import find_pipeline_folders, inspect_pipeline_folder
+from .load.folder_layout import find_pipeline_folders, inspect_pipeline_folder
 from .load.pipeline_folder import DTYPES
 from .load.single_file import WEIGHT_DTYPES, ExpertFiles, inspect_expert_files
 from .runtime.attention import ATTENTION_BACKENDS, DEFAULT_ATTENTION, resolve_attention

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import WanVACEInputError, WanVACEModelFolderError
-from ..load.folder import inspect_pipeline_folder
+from ..load.folder_layout import inspect_pipeline_folder
 from .windows import VAE_FRAMES_PER_LATENT, ContextWindowOptions, frames_per_call
 
 

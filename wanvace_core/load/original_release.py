@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import WanVACEModelFolderError
-from .folder import walk_model_folders
+from .folder_layout import walk_model_folders
 from .single_file import ExpertFiles
 
 ORIGINAL_TEXT_ENCODER = "models_t5_umt5-xxl-enc-bf16.pth"

@@ -28,7 +28,7 @@ from accelerate import init_empty_weights
 from safetensors import safe_open
 
 from ..errors import WanVACEModelFolderError
-from .folder import ComponentFiles, inspect_pipeline_folder
+from .folder_layout import ComponentFiles, inspect_pipeline_folder
 from .loaded import EXPERT_NAMES, LoadedPipeline
 from .tensor_files import SAFETENSORS_DTYPES, read_safetensors_header, set_tensor, stream_into
 

@@ -50,7 +50,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from ..errors import WanVACEError, WanVACEInputError, WanVACEModelFolderError
-from ..load.folder import TRANSFORMER_COMPONENTS, ComponentFiles, inspect_pipeline_folder
+from ..load.folder_layout import TRANSFORMER_COMPONENTS, ComponentFiles, inspect_pipeline_folder
 from ..load.loaded import block_lists_of
 from ..load.pipeline_folder import DTYPES, build_on_meta, component_class, fp32_module_names
 from ..load.quantized import QuantizedLinear, WeightFormat, replace_linears

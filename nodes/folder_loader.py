@@ -28,11 +28,11 @@ from ..wanvace_core.load.original_release import (
 from ..wanvace_core.load.pipeline_folder import folder_file_stamps
 from ..wanvace_core.load.single_file import DEFAULT_BOUNDARY_RATIO, inspect_expert_files
 from ..wanvace_core.parallel import ParallelOptions
-from .experts_loader import load_experts_or_reuse
 from .held import load_or_reuse
 from .model_files import folder_roots, resolve_listed_folder
 from .refusals import Refusal
 from .runtime_inputs import attention_input, compile_input, dtype_input, placement_inputs, runtime_plan, runtime_refusal
+from .single_files_loader import load_experts_or_reuse
 from .types import CATEGORY, WanVACEModelType
 
 MODEL_FOLDER = "diffusers"
