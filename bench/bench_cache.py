@@ -10,7 +10,6 @@ against the uncached latents.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
@@ -21,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.cli import bench_arguments, parse
 from bench.metrics import psnr
 from wanvace_core import (
     CacheOptions,
@@ -44,8 +44,7 @@ def _block_counter(model):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30)
+    parser = bench_arguments(__doc__, steps=30, width=160, height=128, length=17, repeats=2)
     parser.add_argument("--threshold", type=float, default=0.08, help="residual_diff_threshold of DBCache")
     parser.add_argument(
         "--taylorseer-threshold",
@@ -57,13 +56,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="max_warmup_steps for each expert")
     parser.add_argument("--Fn", type=int, default=1)
     parser.add_argument("--Bn", type=int, default=0)
-    parser.add_argument("--width", type=int, default=160)
-    parser.add_argument("--height", type=int, default=128)
-    parser.add_argument("--length", type=int, default=17)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    args = parse(parser)
 
     # 20 blocks with VACE layers every 5th, the same 5:1 ratio as the 40-layer A14B experts.
     spec = TinyModelSpec(

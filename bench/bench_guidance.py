@@ -12,7 +12,6 @@ the projections, not Python, take the time; the ratios still depend on those siz
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import statistics
 import sys
@@ -25,6 +24,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.cli import bench_arguments, parse  # noqa: E402
 from wanvace_core import SamplerSettings, VACEInputs, load_pipeline, prepare_conditioning, sample  # noqa: E402
 from wanvace_core.generation.guidance import APGOptions, ExpertGuidance, GuidanceOptions  # noqa: E402
 from wanvace_core.load.tiny import TinyModelSpec, write_tiny_pipeline  # noqa: E402
@@ -48,17 +48,10 @@ def _options() -> dict[str, tuple[float, GuidanceOptions | None, bool]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser = bench_arguments(__doc__, steps=6, width=256, height=160, length=33, rounds=3)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--height", type=int, default=160)
-    parser.add_argument("--length", type=int, default=33)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    args = parse(parser)
     spec = TinyModelSpec(
         num_layers=args.layers,
         vace_layers=(0, args.layers // 2),

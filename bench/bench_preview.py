@@ -13,7 +13,6 @@ tiny random-weight model (tests' default spec) at --width/--height/--length, tim
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import io
 import itertools
@@ -30,6 +29,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.cli import bench_arguments, parse  # noqa: E402
 from wanvace_core import SamplerSettings, VACEInputs, load_pipeline, prepare_conditioning, sample  # noqa: E402
 from wanvace_core.load.tiny import write_tiny_pipeline  # noqa: E402
 
@@ -73,17 +73,10 @@ def _random_lighttae(folder: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_arguments(__doc__, steps=6, width=128, height=96, length=17, repeats=20)
     default_dir = os.environ.get("WANVACE_COMFY_DIR", str(REPO / ".cache" / "comfyui-current"))
     parser.add_argument("--comfy-dir", type=Path, default=Path(default_dir))
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--width", type=int, default=128)
-    parser.add_argument("--height", type=int, default=96)
-    parser.add_argument("--length", type=int, default=17)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    args = parse(parser)
     cli_args, preview = _comfy_preview_module(args.comfy_dir.resolve())
     from PIL import ImageOps
 

@@ -9,7 +9,6 @@ interleave (ours, theirs, ours, ...) and the medians are compared. Also checks t
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import statistics
 import sys
@@ -23,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from diffusers import WanVACEPipeline
 
+from bench.cli import bench_arguments, parse
 from wanvace_core import SamplerSettings, VACEInputs, load_pipeline, prepare_conditioning, sample
 from wanvace_core.load.tiny import TinyModelSpec, write_tiny_pipeline
 
@@ -37,16 +37,9 @@ def _step_times(run) -> list[float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--width", type=int, default=128)
-    parser.add_argument("--height", type=int, default=96)
-    parser.add_argument("--length", type=int, default=17)
+    parser = bench_arguments(__doc__, steps=10, width=128, height=96, length=17, repeats=3)
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    args = parse(parser)
 
     spec = TinyModelSpec(
         num_layers=8, vace_layers=(0, 2, 4, 6), num_attention_heads=4, attention_head_dim=32, ffn_dim=256

@@ -13,7 +13,6 @@ pipeline; the latent of a --width x --height x --length video is what travels, s
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
@@ -25,6 +24,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.cli import bench_arguments, parse  # noqa: E402
 from wanvace_core import SamplerSettings, VACEInputs, load_pipeline, prepare_conditioning, sample  # noqa: E402
 from wanvace_core.load.tiny import TinyModelSpec, write_tiny_pipeline  # noqa: E402
 from wanvace_core.parallel import ParallelOptions  # noqa: E402
@@ -46,15 +46,7 @@ class OutsideEuler:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=1, help="threads of this process and of each worker")
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--height", type=int, default=160)
-    parser.add_argument("--length", type=int, default=33)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    args = parse(bench_arguments(__doc__, steps=6, width=256, height=160, length=33, threads=1, rounds=3))
     spec = TinyModelSpec(num_layers=4, vace_layers=(0, 2), num_attention_heads=4, attention_head_dim=64, ffn_dim=1024)
     settings = SamplerSettings(seed=1, steps=args.steps, cfg=5.0, cfg_low_noise=5.0, scheduler="euler")
     with tempfile.TemporaryDirectory() as tmp:
