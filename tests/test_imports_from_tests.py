@@ -48,9 +48,11 @@ def source_files(root: Path) -> list[Path]:
 
 def names_in_tests(root: Path) -> set[str]:
     """What a bare import would find with `tests/` or a folder of it on the path: its modules and folders."""
-    tests = root / TESTS
-    names = {path.stem for path in tests.rglob("*.py")}
-    names |= {path.name for path in tests.rglob("*") if path.is_dir() and path.name not in _NOT_SOURCE}
+    names = set()
+    for _folder, subfolders, files in os.walk(root / TESTS):
+        # Not below what is not source either (tests/browser/node_modules holds npm's `types`, `server`, ...).
+        subfolders[:] = [name for name in subfolders if name not in _NOT_SOURCE]
+        names |= set(subfolders) | {Path(name).stem for name in files if name.endswith(".py")}
     return names
 
 

@@ -2,8 +2,8 @@
 
 Started as `python -m wanvace_core.worker`, either by `parallel.launcher.LocalWorkers` (one process per listed
 device, on this machine) or by `torchrun` on each machine; the ranks meet as `parallel.relay` describes. Each
-rank reads its part of the experts and puts their runtime together with `runtime.plan.build_model`, the same
-function ComfyUI's process uses, then samples with `generation.sampling.sample`.
+rank reads its part of the experts and puts their runtime together (`runtime.loaders.load_on_rank`, through
+`runtime.plan.build_model`, the same function ComfyUI's process uses), then samples with `generation.sampling.sample`.
 
 Rank 0 also listens on the control address (`--serve host:port`; port 0 picks a free one, written to the
 workers' folder) for the ComfyUI process (`launcher.RemoteExperts`), one connection at a time, and speaks
@@ -28,17 +28,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from accelerate import init_empty_weights
-from diffusers import AutoencoderKLWan
 
 from .errors import WanVACEError
 from .generation.conditioning import VACEConditioning
 from .generation.guidance import BatchedGuidance, GuidanceOptions, ParallelGuidance
 from .generation.sampling import SamplerSettings, sample
 from .generation.windows import ContextWindowOptions
-from .load.loaded import LoadedPipeline
-from .load.pipeline_folder import read_experts
-from .load.single_file import expert_files_from, load_experts_only
 from .parallel import messages
 from .parallel.groups import ParallelGroups
 from .parallel.options import ParallelOptions
@@ -52,11 +47,11 @@ from .parallel.relay import (
     publish_file,
     rendezvous,
 )
-from .parallel.sharding import meta_experts
 from .runtime.caching import CacheOptions
+from .runtime.loaders import load_on_rank
 from .runtime.lora import LoraPatch
 from .runtime.model import WanVACEModel
-from .runtime.plan import RankContext, RuntimePlan, build_model
+from .runtime.plan import RuntimePlan
 
 logger = logging.getLogger("wanvace_core.worker")
 
@@ -81,19 +76,6 @@ def _device_for(rank: int) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
-
-
-class _NoRefill:
-    """Workers load once per model; ComfyUI never asks them to unload parts of it."""
-
-    def refill(self, name, module, device):
-        raise messages.WanVACEWorkerError(f"a parallel worker cannot read back {name}; load the model again")
-
-
-def _meta_vae(config: dict):
-    # Only its config is read on a worker (the latent strides); the weights stay with ComfyUI.
-    with init_empty_weights():
-        return AutoencoderKLWan.from_config(config)
 
 
 class Rank:
@@ -145,40 +127,10 @@ class Rank:
                 timedelta(seconds=options.timeout_s),
             )
             guidance = ParallelGuidance(branch, peers)
-        groups = ParallelGroups.create(layout, self.device)
-        experts, shard_sources = self._read_experts(request, plan)
-        loaded = LoadedPipeline(
-            source=Path(request["source"]["path"]),
-            dtype=getattr(torch, request["torch_dtype"]),
-            device=self.device,
-            tokenizer=None,
-            text_encoder=None,
-            vae=_meta_vae(request["vae_config"]),
-            transformer=experts.get("transformer"),
-            transformer_2=experts.get("transformer_2"),
-            scheduler_config=dict(request["scheduler_config"]),
-            boundary_ratio=request["boundary_ratio"],
-            weights=_NoRefill(),
-        )
-        model = build_model(loaded, plan, self.device, rank=RankContext(groups, shard_sources))
+        model = load_on_rank(request, plan, self.device, ParallelGroups.create(layout, self.device))
         self.loaded = LoadedModel(model, options, guidance, branch, branch_rank)
         held = sum(t.numel() * t.element_size() for e in model.experts for t in _local_tensors(e))
         return {"held_bytes": held}
-
-    def _read_experts(self, request: dict, plan: RuntimePlan) -> tuple[dict, dict | None]:
-        """This rank's experts: built on meta with their weight sources when sharded (the plan's FSDP step
-        fills each rank's shards), else read whole."""
-        source = request["source"]
-        dtype = getattr(torch, request["torch_dtype"])
-        if plan.parallel.shard != "none":
-            built = meta_experts(_source_of(source), dtype, weight_dtype=source.get("weight_dtype", "auto"))
-            return {name: expert for name, (expert, _) in built.items()}, {
-                name: sources for name, (_, sources) in built.items()
-            }
-        load_device = plan.load_device(self.device)
-        if source["kind"] == "folder":
-            return read_experts(source["path"], dtype, load_device), None
-        return load_experts_only(_source_of(source), dtype, source["weight_dtype"], load_device), None
 
     def release(self) -> None:
         if self.loaded is None:
@@ -453,10 +405,6 @@ def _cancel_requested(conn: Connection) -> bool:
 def _local_tensors(module: torch.nn.Module):
     for tensor in [*module.parameters(), *module.buffers()]:
         yield tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
-def _source_of(source: dict):
-    return Path(source["path"]) if source["kind"] == "folder" else expert_files_from(source["files"])
 
 
 def _watch_parent(parent: int) -> None:

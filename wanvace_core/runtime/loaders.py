@@ -7,17 +7,29 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from accelerate import init_empty_weights
+from diffusers import AutoencoderKLWan
 
 from ..errors import WanVACEInputError
-from ..load.loaded import EXPERT_NAMES
-from ..load.pipeline_folder import read_pipeline_folder
-from ..load.single_file import DEFAULT_BOUNDARY_RATIO, ExpertFiles, inspect_expert_files, read_expert_files
+from ..load.loaded import EXPERT_NAMES, LoadedPipeline
+from ..load.pipeline_folder import read_experts, read_pipeline_folder
+from ..load.single_file import (
+    DEFAULT_BOUNDARY_RATIO,
+    ExpertFiles,
+    expert_files_from,
+    inspect_expert_files,
+    load_experts_only,
+    read_expert_files,
+)
+from ..parallel.groups import ParallelGroups
 from ..parallel.launcher import remote_experts
+from ..parallel.messages import WanVACEWorkerError
 from ..parallel.options import ParallelOptions
+from ..parallel.sharding import meta_experts
 from .attention import DEFAULT_ATTENTION
 from .model import WanVACEModel
 from .offload import OffloadOptions
-from .plan import RuntimePlan, build_model
+from .plan import RankContext, RuntimePlan, build_model
 
 
 def load_pipeline(
@@ -116,3 +128,44 @@ def refuse_fp8_matmul_without_fp8(files: ExpertFiles, weight_dtype: str, layouts
             f"fp8_matmul is on but high_noise_model={Path(files.high_noise_model).name} holds no fp8 (e4m3) weights; "
             "choose fp8 experts (e.g. wan2.2_fun_vace_high_noise_14B_fp8_scaled.safetensors), or turn fp8_matmul off."
         )
+
+
+def load_on_rank(request: dict, plan: RuntimePlan, device: torch.device, groups: ParallelGroups) -> WanVACEModel:
+    """A parallel worker rank's model from the load request `remote_experts` made: its experts built on meta with
+    their weight sources when sharded (the plan's FSDP step fills each rank's shards), else read whole; the VAE a meta
+    stand-in for its config; then the plan applied with the rank's process groups."""
+    source = request["source"]
+    dtype = getattr(torch, request["torch_dtype"])
+    files = Path(source["path"]) if source["kind"] == "folder" else expert_files_from(source["files"])
+    shard_sources = None
+    if plan.parallel.shard != "none":
+        built = meta_experts(files, dtype, weight_dtype=source.get("weight_dtype", "auto"))
+        experts = {name: expert for name, (expert, _) in built.items()}
+        shard_sources = {name: sources for name, (_, sources) in built.items()}
+    elif source["kind"] == "folder":
+        experts = read_experts(source["path"], dtype, plan.load_device(device))
+    else:
+        experts = load_experts_only(files, dtype, source["weight_dtype"], plan.load_device(device))
+    with init_empty_weights():  # only the VAE's config is read on a worker (the latent strides)
+        vae = AutoencoderKLWan.from_config(request["vae_config"])
+    loaded = LoadedPipeline(
+        source=Path(source["path"]),
+        dtype=dtype,
+        device=device,
+        tokenizer=None,
+        text_encoder=None,
+        vae=vae,
+        transformer=experts.get("transformer"),
+        transformer_2=experts.get("transformer_2"),
+        scheduler_config=dict(request["scheduler_config"]),
+        boundary_ratio=request["boundary_ratio"],
+        weights=_NoRefill(),
+    )
+    return build_model(loaded, plan, device, rank=RankContext(groups, shard_sources))
+
+
+class _NoRefill:
+    """Workers load once per model; ComfyUI never asks them to unload parts of it."""
+
+    def refill(self, name, module, device):
+        raise WanVACEWorkerError(f"a parallel worker cannot read back {name}; load the model again")
