@@ -144,6 +144,7 @@ class WanVACEModelLoader(io.ComfyNode):
             return io.NodeOutput(load_experts_or_reuse(files, dtype, "auto", DEFAULT_BOUNDARY_RATIO, plan, device))
         return io.NodeOutput(
             load_or_reuse(
+                str(folder),
                 ("folder", folder, dtype),
                 folder_file_stamps(inspect_pipeline_folder(folder, check_weights=False)),
                 plan,

@@ -56,6 +56,7 @@ def hold(key: tuple, model: WanVACEModel) -> None:
 
 
 def load_or_reuse(
+    what: str,
     source: tuple,
     stamps: dict,
     plan: RuntimePlan,
@@ -64,10 +65,10 @@ def load_or_reuse(
     resident_bytes: Callable[[], int],
     before_replan: Callable[[], None] = lambda: None,
 ) -> WanVACEModel:
-    """The pipeline of `source` (what was read and how: files, dtypes; their `stamps`) under `plan` on `device`:
-    re-attached under the new plan when only the plan changed (`before_replan` refuses first what the new plan cannot
-    run), else `load(plan)`, after asking ComfyUI for `resident_bytes()` of room when the weights go straight to the
-    device. Then held between prompts and registered with ComfyUI's model management.
+    """The pipeline of `source` (what was read and how: files, dtypes; their `stamps`; `what` names it in the log)
+    under `plan` on `device`: re-attached under the new plan when only the plan changed (`before_replan` refuses
+    first what the new plan cannot run), else `load(plan)`, after asking ComfyUI for `resident_bytes()` of room when
+    the weights go straight to the device. Then held between prompts and registered with ComfyUI's model management.
 
     With parallel workers the plan was applied in the workers at load, so any change of it loads again.
     """
@@ -80,7 +81,7 @@ def load_or_reuse(
         before_replan()
         replan(model, plan)
         logger.info(
-            "WanVACE: reusing the loaded %s (offload %r, attention %r)", model.source, plan.offload.mode, plan.attention
+            "WanVACE: reusing the loaded %s (offload %r, attention %r)", what, plan.offload.mode, plan.attention
         )
     else:
         if plan.offload.mode == "none" and plan.parallel is None:

@@ -263,6 +263,7 @@ def load_experts_or_reuse(
             refuse_fp8_matmul_without_fp8(files, weight_dtype, layouts)
 
     return load_or_reuse(
+        "experts",
         ("experts", files, dtype, weight_dtype, float(boundary_ratio)),
         expert_file_stamps(layouts),
         plan,

@@ -75,6 +75,7 @@ def _fp8_workflow(prefix: str, fp8_matmul: bool | None) -> dict:
     return workflow
 
 
+@pytest.mark.one_set  # fp8 matmul sampling on the CPU: see tests/test_fp8_matmul.py's SAMPLING_WITH_FP8
 def test_fp8_matmul_runs_on_the_fp8_experts_and_stays_close(comfy_server):
     plain, _ = _run(comfy_server, _fp8_workflow("fp8_matmul/absent", None))
     off, _ = _run(comfy_server, _fp8_workflow("fp8_matmul/off", False))
