@@ -2,7 +2,6 @@
 
     python3 bench/gpu_imports.py list                 # every import the GPU check makes, by distribution
     python3 bench/gpu_imports.py check                # fails unless each is on the H200 or among the wheels
-    python3 bench/gpu_imports.py runtime [--comfy DIR]  # (JSON) what importing them loads, ComfyUI's row too
 
 The files are the ones gpu_check.sh runs: the library (`wanvace_core/`), the GPU benches and every `bench.` module they
 import, `tests/conftest.py` and the gpu-marked test files with the helpers they import (`tests.support.`, `bench.`,
@@ -10,7 +9,8 @@ import, `tests/conftest.py` and the gpu-marked test files with the helpers they 
 Every import statement counts, module-level or inside a function (lazy), except the `OPTIONAL` modules, which
 may appear only inside functions that no GPU step calls. ComfyUI's `comfy` package is not a distribution: the
 fast path's ComfyUI row imports the modules the benches name from the ComfyUI tree that bench/gpu_wheels.sh
-copies, and `runtime` lists what that import loads (tests/test_gpu_imports.py runs it in a subprocess).
+copies; what importing all of them really loads is tests/test_gpu_imports.py's (through
+tests/support/gpu_runtime_imports.py, since it imports the test modules too).
 
 A distribution is available when bench/h200_packages.txt (the machine's python3, from the device library's
 KINDS.md) or bench/gpu_wheels.lock.json (what bench/gpu_wheels.sh downloads) names it. No network, no torch:
@@ -240,80 +240,12 @@ def problems(found: list[Import], machine: dict, wheels: dict) -> list[str]:
     return out
 
 
-def runtime(comfy_dir: str | None, modules: list[str]) -> dict:
-    """Imports `modules` (ours), then ComfyUI's bench modules from `comfy_dir`, in this process, and records each
-    import statement that runs (`builtins.__import__`), module-level chains included. Returns, per stage, the
-    top-level modules that our code, ComfyUI's tree or a wheel's package imported successfully (what the machine's
-    own packages import among themselves is the machine's business), with who imported them; and what failed."""
-    import builtins
-    import importlib
-    import importlib.metadata
-
-    sys.path.insert(0, str(REPO))
-    import torch  # the machine's own; its dependencies are the machine's business
-
-    wheel_tops = {
-        top
-        for top, dists in importlib.metadata.packages_distributions().items()
-        if {canonical(dist) for dist in dists} & set(locked_wheels())
-    }
-    importers = {*OURS, COMFY, *wheel_tops}
-    seen: dict[str, set[str]] = {}
-    original_import = builtins.__import__
-
-    def recording_import(name, globals=None, locals=None, fromlist=(), level=0):
-        module = original_import(name, globals, locals, fromlist, level)
-        importer = (globals or {}).get("__name__") or ""
-        if level == 0 and importer.split(".")[0] in importers:
-            seen.setdefault(name.split(".")[0], set()).add(importer)
-        return module
-
-    stages = {"ours": modules, "comfy": comfy_modules(all_imports(), Path(comfy_dir)) if comfy_dir else []}
-    loaded, failed = {}, {}
-    builtins.__import__ = recording_import
-    try:
-        for stage, names in stages.items():
-            seen.clear()
-            if stage == "comfy" and names:
-                sys.path.append(comfy_dir)  # after ours: the tree's own `tests` package must not shadow ours
-                from comfy.cli_args import args as comfy_args
-
-                comfy_args.cpu = not torch.cuda.is_available()
-            for name in names:
-                try:
-                    importlib.import_module(name)
-                except Exception as error:  # every failure is reported with its module
-                    failed[name] = f"{type(error).__name__}: {error}"
-            loaded[stage] = {
-                top: sorted(by)[:3]
-                for top, by in sorted(seen.items())
-                if top not in sys.stdlib_module_names and top not in (*OURS, COMFY) and top in sys.modules
-            }
-    finally:
-        builtins.__import__ = original_import
-    return {"loaded": loaded, "failed": failed}
-
-
-def our_modules() -> list[str]:
-    """The importable module names of the checked files (tests and benches as `tests.support.x`, `bench.x`)."""
-    names = []
-    for path in checked_files():
-        relative = path.relative_to(REPO).with_suffix("")
-        names.append(".".join(relative.parts).removesuffix(".__init__"))
-    return names
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("list", help="every third-party import, with its distribution and source")
     commands.add_parser("check", help="exit 1 unless every import is on the H200 or among the wheels")
-    p = commands.add_parser("runtime", help="(JSON) what importing our modules and ComfyUI's row loads")
-    p.add_argument("--comfy", help="a ComfyUI tree (the one bench/gpu_wheels.sh copies)")
     args = parser.parse_args()
-    if args.command == "runtime":
-        print(json.dumps(runtime(args.comfy, our_modules())))
-        return 0
     found = all_imports()
     machine, wheels = machine_packages(), locked_wheels()
     if args.command == "list":

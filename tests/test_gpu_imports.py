@@ -136,7 +136,7 @@ def test_importing_our_modules_and_comfyuis_row_loads_only_h200_or_wheel_distrib
     if stale:
         pytest.skip(f"SKIPPED: the wheels are resolved for another ComfyUI than {CURRENT_TREE} ({', '.join(stale)})")
     done = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "gpu_imports.py"), "runtime", "--comfy", str(CURRENT_TREE)],
+        [sys.executable, "-m", "tests.support.gpu_runtime_imports", "--comfy", str(CURRENT_TREE)],
         capture_output=True,
         text=True,
         cwd=REPO,
