@@ -51,8 +51,11 @@ MODES = [
 ]
 
 
-def _workflow(seed: int, prefix: str, parallel: dict | None, dtype: str = DTYPE, **sampler) -> dict:
-    workflow = for_tiny_model(json.loads((API_DIR / "wanvace_t2v.json").read_text()))
+def _workflow(
+    seed: int, prefix: str, parallel: dict | None, dtype: str = DTYPE, shipped: str = "wanvace_t2v.json", **sampler
+) -> dict:
+    """The shipped workflow `shipped` on the tiny model, with `parallel` options (None: without), its latents saved."""
+    workflow = for_tiny_model(json.loads((API_DIR / shipped).read_text()))
     ids = {node["class_type"]: key for key, node in workflow.items()}
     workflow[ids["WanVACEModelLoader"]]["inputs"]["dtype"] = dtype
     workflow[ids["WanVACESampler"]]["inputs"].update(seed=seed, **sampler)
@@ -282,20 +285,7 @@ def test_comfyui_samplers_step_the_experts_in_the_workers_and_equal_them_without
 def _lightning_workflow(seed: int, prefix: str, parallel: dict | None) -> dict:
     """The shipped 4-step Lightning graph (a LoRA per expert, NAG at cfg 1, the distill schedule) in fp32, its latents
     saved."""
-    workflow = for_tiny_model(json.loads((API_DIR / "wanvace_t2v_lightning.json").read_text()))
-    ids = {node["class_type"]: key for key, node in workflow.items()}
-    workflow[ids["WanVACEModelLoader"]]["inputs"]["dtype"] = DTYPE
-    workflow[ids["WanVACESampler"]]["inputs"]["seed"] = seed
-    if parallel is not None:
-        workflow[PARALLEL_NODE] = {"class_type": "WanVACEParallelOptions", "inputs": _parallel_inputs(**parallel)}
-        workflow[ids["WanVACEModelLoader"]]["inputs"]["parallel"] = [PARALLEL_NODE, 0]
-    for class_type in ("WanVACEDecode", "CreateVideo", "SaveVideo"):
-        del workflow[ids[class_type]]
-    workflow["900"] = {
-        "class_type": "SaveLatent",
-        "inputs": {"samples": [ids["WanVACESampler"], 0], "filename_prefix": prefix},
-    }
-    return workflow
+    return _workflow(seed, prefix, parallel, shipped="wanvace_t2v_lightning.json")
 
 
 @pytest.mark.parametrize("mode", [MODES[1]], indirect=True)

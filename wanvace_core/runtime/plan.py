@@ -176,7 +176,15 @@ def _apply_runtime(
     transfer: Transfer | None,
     stream_ops: StreamOps | None,
 ) -> None:
-    _apply_residency(model, plan, rank, transfer, stream_ops)
+    model.close_residency()  # the new residency must find the weights unhooked and off the ring
+    # A worker holds only the experts; its VAE is a meta stand-in for the config.
+    components = model.components if rank is None else _experts(model)
+    if _sharded(plan, rank):
+        model.residency = ShardedResidency(components)
+    else:
+        model.residency = make_residency(
+            plan.offload, components, model.weights, model.device, transfer, stream_ops=stream_ops
+        )
     # In ComfyUI's process with parallel workers the experts are meta stand-ins: the workers apply these.
     if rank is not None or plan.parallel is None:
         _apply_fp8_matmul(model, plan)
@@ -198,24 +206,6 @@ def _apply_fsdp(model: WanVACEModel, experts: dict, plan: RuntimePlan, rank: Ran
     for name, expert in experts.items():
         shard_and_fill(expert, rank.shard_sources[name], rank.groups.shard_mesh, model.device, cpu_offload)
         prefetch_in_order(expert, current_execution_order(expert))
-
-
-def _apply_residency(
-    model: WanVACEModel,
-    plan: RuntimePlan,
-    rank: RankContext | None,
-    transfer: Transfer | None,
-    stream_ops: StreamOps | None,
-) -> None:
-    model.close_residency()  # the new residency must find the weights unhooked and off the ring
-    # A worker holds only the experts; its VAE is a meta stand-in for the config.
-    components = model.components if rank is None else _experts(model)
-    if _sharded(plan, rank):
-        model.residency = ShardedResidency(components)
-    else:
-        model.residency = make_residency(
-            plan.offload, components, model.weights, model.device, transfer, stream_ops=stream_ops
-        )
 
 
 def _apply_fp8_matmul(model: WanVACEModel, plan: RuntimePlan) -> None:
