@@ -64,12 +64,23 @@ def test_a_worker_in_its_own_session_dies_with_its_killed_launcher_only_when_ask
             os.kill(worker, signal.SIGKILL)
 
 
+def _wait_until_its_environment_shows(pid: int, entry: str, timeout: float = 10.0) -> None:
+    """Popen returns when exec closes its error pipe, which the kernel does before it sets the new program's
+    environment up (begin_new_exec, then create_elf_tables): /proc/<pid>/environ reads empty in between, a window a
+    loaded CI machine can hit."""
+    deadline = time.monotonic() + timeout
+    while entry.encode() not in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+        assert time.monotonic() < deadline, f"pid {pid} never showed {entry} in its environment"
+        time.sleep(0.01)
+
+
 def test_leftovers_finds_and_kills_what_a_step_left_in_another_session():
     marker = f"test.{os.getpid()}.{time.monotonic_ns()}"
     env = {**os.environ, "WANVACE_GPU_STEP": marker}
     stray = subprocess.Popen(["sleep", "120"], env=env, start_new_session=True)
     other = subprocess.Popen(["sleep", "120"], start_new_session=True)  # not the step's: left alone
     try:
+        _wait_until_its_environment_shows(stray.pid, f"WANVACE_GPU_STEP={marker}")
         assert gpu_check.leftovers(marker, kill=True) == 1
         stray.wait(timeout=5)
         assert stray.returncode == -signal.SIGKILL
