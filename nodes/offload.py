@@ -49,10 +49,12 @@ class WanVACEOffloadOptions(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, mode: str = DEFAULT_MODE) -> bool | str:
-        # The combo alone; the numbers keep ComfyUI's range check.
+    def validate_inputs(cls, mode: str | None = None) -> bool | str:
+        # The combo alone (a linked one arrives as None and is checked when it runs); the numbers keep ComfyUI's
+        # range check.
         with Refusal() as refusal:
-            OffloadOptions(mode=mode)
+            if mode is not None:
+                OffloadOptions(mode=mode)
         return refusal.message or True
 
     @classmethod

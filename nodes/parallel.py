@@ -91,28 +91,31 @@ class WanVACEParallelOptions(io.ComfyNode):
     @classmethod
     def validate_inputs(
         cls,
-        devices: str = DEFAULT_DEVICES,
-        shard: str = _DEFAULTS.shard,
-        replicate_size: int = _DEFAULTS.replicate_size,
-        ulysses_degree: int = _DEFAULTS.ulysses_degree,
-        cfg_parallel: bool = _DEFAULTS.cfg_parallel,
-        launcher: str = _DEFAULTS.launcher,
-        endpoint: str = _DEFAULTS.endpoint,
+        devices: str | None = None,
+        shard: str | None = None,
+        replicate_size: int | None = None,
+        ulysses_degree: int | None = None,
+        cfg_parallel: bool | None = None,
+        launcher: str | None = None,
+        endpoint: str | None = None,
     ) -> bool | str:
-        # The inputs the device-count checks combine (launcher decides whether endpoint matters); timeout_s keeps
+        # The inputs the device-count checks combine (launcher decides whether endpoint matters), when none of them
+        # is linked (a linked input arrives as None; the node checks them all when it runs); timeout_s keeps
         # ComfyUI's range check.
+        combined = {
+            "shard": shard,
+            "replicate_size": replicate_size,
+            "ulysses_degree": ulysses_degree,
+            "cfg_parallel": cfg_parallel,
+            "launcher": launcher,
+            "endpoint": endpoint,
+        }
         with Refusal() as refusal:
-            parallel_options(
-                devices,
-                shard=shard,
-                replicate_size=replicate_size,
-                ulysses_degree=ulysses_degree,
-                cfg_parallel=cfg_parallel,
-                launcher=launcher,
-                endpoint=endpoint,
-            )
-            validate_range("replicate_size", replicate_size, *DEGREE_RANGE)
-            validate_range("ulysses_degree", ulysses_degree, *DEGREE_RANGE)
+            if devices is not None and None not in combined.values():
+                parallel_options(devices, **combined)
+            for name, value in (("replicate_size", replicate_size), ("ulysses_degree", ulysses_degree)):
+                if value is not None:
+                    validate_range(name, value, *DEGREE_RANGE)
         return refusal.message or True
 
     @classmethod

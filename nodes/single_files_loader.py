@@ -53,16 +53,16 @@ _FOLDER_OF_INPUT = {
 }
 
 
-def _expert_files(
-    high_noise_model: str,
-    low_noise_model: str,
-    text_encoder: str,
-    vae: str,
-    high_noise_vace_module: str = NONE,
-    low_noise_vace_module: str = NONE,
-) -> ExpertFiles:
-    """The chosen files, each only from what its input lists (checked before any file is opened)."""
-    chosen = {
+def _file_inputs(
+    high_noise_model: str | None,
+    low_noise_model: str | None,
+    text_encoder: str | None,
+    vae: str | None,
+    high_noise_vace_module: str | None = NONE,
+    low_noise_vace_module: str | None = NONE,
+) -> dict[str, str | None]:
+    """The node's file inputs by name."""
+    return {
         "high_noise_model": high_noise_model,
         "low_noise_model": low_noise_model,
         "text_encoder": text_encoder,
@@ -70,6 +70,10 @@ def _expert_files(
         "high_noise_vace_module": high_noise_vace_module,
         "low_noise_vace_module": low_noise_vace_module,
     }
+
+
+def _expert_files(chosen: dict[str, str | None]) -> ExpertFiles:
+    """The chosen files, each only from what its input lists (checked before any file is opened)."""
     listings = {folder: list_weight_files(folder) for folder in set(_FOLDER_OF_INPUT.values())}
     paths = {}
     for input_name, name in chosen.items():
@@ -117,7 +121,7 @@ def size_limits_of_expert_inputs(inputs: dict) -> SizeLimits | None:
         name: inputs.get(name, NONE) if isinstance(inputs.get(name, NONE), str) else NONE
         for name in ("high_noise_vace_module", "low_noise_vace_module")
     }
-    files = _expert_files(**{name: inputs[name] for name in names}, **modules)
+    files = _expert_files(_file_inputs(**{name: inputs[name] for name in names}, **modules))
     return size_limits_of_layouts(inspect_expert_files(files))
 
 
@@ -213,17 +217,12 @@ class WanVACEExpertsLoader(io.ComfyNode):
             for name, value, options in (("dtype", dtype, DTYPES), ("weight_dtype", weight_dtype, WEIGHT_DTYPES)):
                 if value is not None and value not in options:
                     raise WanVACEInputError(f"{name}={value!r} is not supported; choose one of {', '.join(options)}.")
-            chosen = {
-                "high_noise_model": high_noise_model,
-                "low_noise_model": low_noise_model,
-                "text_encoder": text_encoder,
-                "vae": vae,
-                "high_noise_vace_module": high_noise_vace_module,
-                "low_noise_vace_module": low_noise_vace_module,
-            }
+            chosen = _file_inputs(
+                high_noise_model, low_noise_model, text_encoder, vae, high_noise_vace_module, low_noise_vace_module
+            )
             _refuse_missing_files(chosen)
             if None not in (high_noise_model, low_noise_model, text_encoder, vae):
-                inspect_expert_files(_expert_files(**chosen))
+                inspect_expert_files(_expert_files(chosen))
         return refusal.message or await runtime_refusal(attention, compile, fp8_matmul) or True
 
     @classmethod
@@ -246,7 +245,9 @@ class WanVACEExpertsLoader(io.ComfyNode):
     ) -> io.NodeOutput:
         device = comfy.model_management.get_torch_device()
         files = _expert_files(
-            high_noise_model, low_noise_model, text_encoder, vae, high_noise_vace_module, low_noise_vace_module
+            _file_inputs(
+                high_noise_model, low_noise_model, text_encoder, vae, high_noise_vace_module, low_noise_vace_module
+            )
         )
         plan = runtime_plan(offload, parallel, attention, fp8_matmul, compile)
         return io.NodeOutput(load_experts_or_reuse(files, dtype, weight_dtype, boundary_ratio, plan, device))

@@ -825,6 +825,25 @@ def test_a_linked_window_setting_is_not_taken_for_its_default(linked, value, wid
     assert result.status == "success", (result.status, result.response, result.error)
 
 
+def test_a_linked_offload_mode_runs_and_an_unknown_one_fails_naming_it(comfy_server):
+    # The mode picked by ComfyUI's If/Else Switch: validate_inputs gets None, the value arrives when the node runs.
+    if "ComfySwitchNode" not in comfy_server.object_info():
+        pytest.skip("this ComfyUI has no If/Else Switch node (ComfySwitchNode)")
+    for mode, succeeds in (("layerwise", True), ("everywhere", False)):
+        workflow, node_id = _with_offload()
+        workflow["903"] = {
+            "class_type": "ComfySwitchNode",
+            "inputs": {"switch": True, "on_true": mode, "on_false": "none"},
+        }
+        workflow[node_id]["inputs"]["mode"] = ["903", 0]
+        result = comfy_server.run_prompt(workflow, timeout=600)
+        if succeeds:
+            assert result.status == "success", (result.status, result.response, result.error)
+        else:
+            assert result.status == "error", (result.status, result.response)
+            assert "mode='everywhere'" in json.dumps(result.error), result.error
+
+
 def test_a_linked_tile_size_is_not_taken_for_its_default(comfy_server):
     # A 296 px overlap fits the linked 512 px tile, not the default 256 px tile a linked tile_size was taken for.
     workflow, node_id = _with(_t2v(), "WanVACEDecode", tiled="on", tile_overlap=296)
