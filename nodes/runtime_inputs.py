@@ -71,14 +71,18 @@ def runtime_plan(
     )
 
 
-def _runtime_refusal(attention: str, compile: bool, fp8_matmul: bool) -> str | None:
+def _runtime_refusal(attention: str | None, compile: bool | None, fp8_matmul: bool | None) -> str | None:
+    if None in (attention, compile, fp8_matmul):  # linked: known when the loader runs, and its plan checks them then
+        return None
     with _PROBING, Refusal() as refusal:
         plan = runtime_plan(attention=attention, fp8_matmul=fp8_matmul, compile=compile)
         plan.check(comfy.model_management.get_torch_device())
     return refusal.message
 
 
-async def runtime_refusal(attention: str, compile: bool = False, fp8_matmul: bool = False) -> str | None:
+async def runtime_refusal(
+    attention: str | None, compile: bool | None = False, fp8_matmul: bool | None = False
+) -> str | None:
     """Why the loader's runtime options cannot run on ComfyUI's device (the plan's own check), or None. For a
     loader's async `validate_inputs`: the probes run in a worker thread, so ComfyUI's server keeps answering every
     other request while a first probe runs (it answers this POST /prompt when the probe is done; later prompts get

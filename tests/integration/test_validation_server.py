@@ -844,6 +844,20 @@ def test_a_linked_offload_mode_runs_and_an_unknown_one_fails_naming_it(comfy_ser
             assert "mode='everywhere'" in json.dumps(result.error), result.error
 
 
+def test_a_linked_attention_and_compile_are_probed_when_the_loader_runs(comfy_server):
+    if "ComfySwitchNode" not in comfy_server.object_info():
+        pytest.skip("this ComfyUI has no If/Else Switch node (ComfySwitchNode)")
+    workflow, node_id = _with(_t2v(), "WanVACEModelLoader")
+    workflow["904"] = {
+        "class_type": "ComfySwitchNode",
+        "inputs": {"switch": True, "on_true": "native", "on_false": "auto"},
+    }
+    workflow["905"] = {"class_type": "ComfySwitchNode", "inputs": {"switch": False, "on_true": True, "on_false": False}}
+    workflow[node_id]["inputs"].update(attention=["904", 0], compile=["905", 0])
+    result = comfy_server.run_prompt(workflow, timeout=600)
+    assert result.status == "success", (result.status, result.response, result.error)
+
+
 def test_a_linked_tile_size_is_not_taken_for_its_default(comfy_server):
     # A 296 px overlap fits the linked 512 px tile, not the default 256 px tile a linked tile_size was taken for.
     workflow, node_id = _with(_t2v(), "WanVACEDecode", tiled="on", tile_overlap=296)
