@@ -219,6 +219,12 @@ def _apply_fp8_matmul(model: WanVACEModel, plan: RuntimePlan) -> None:
         )
     if plan.fp8_matmul:
         logger.info("WanVACE fp8 matmul: %d layers", layers)
+    if plan.fp8_matmul and model.device.type == "cpu":
+        # Measured with torch 2.8 and 2.11 on an AMX Xeon: oneDNN's reference kernel, 10-15 M multiply-adds a second.
+        logger.warning(
+            "WanVACE fp8 matmul on the CPU runs PyTorch's reference fp8 kernel, far slower than dequantising the "
+            "weights; turn fp8_matmul off unless the experts run on a GPU."
+        )
 
 
 def _apply_attention(model: WanVACEModel, plan: RuntimePlan) -> None:
