@@ -212,15 +212,16 @@ def _apply_fp8_matmul(model: WanVACEModel, plan: RuntimePlan) -> None:
     if plan.fp8_matmul:
         check_fp8_matmul(model.device)
     layers = sum(apply_fp8_matmul(expert, plan.fp8_matmul) for expert in model.experts)
-    if plan.fp8_matmul and layers == 0:
+    if not plan.fp8_matmul:
+        return
+    if layers == 0:
         raise WanVACEInputError(
             "fp8_matmul is on but no expert weight is kept in fp8; it needs fp8 expert files (e.g. "
             "wan2.2_fun_vace_*_fp8_scaled.safetensors) loaded with weight_dtype auto. Turn fp8_matmul off."
         )
-    if plan.fp8_matmul:
-        logger.info("WanVACE fp8 matmul: %d layers", layers)
-    if plan.fp8_matmul and model.device.type == "cpu":
-        # Measured with torch 2.8 and 2.11 on an AMX Xeon: oneDNN's reference kernel, 10-15 M multiply-adds a second.
+    logger.info("WanVACE fp8 matmul: %d layers", layers)
+    if model.device.type == "cpu":
+        # Measured with torch 2.11 on an AMX Xeon: oneDNN's reference kernel, 11-16 M multiply-adds a second.
         logger.warning(
             "WanVACE fp8 matmul on the CPU runs PyTorch's reference fp8 kernel, far slower than dequantising the "
             "weights; turn fp8_matmul off unless the experts run on a GPU."
